@@ -1,0 +1,3 @@
+"""photon_jax: Moondream vision-language models in pure JAX."""
+
+__version__ = "0.1.0"

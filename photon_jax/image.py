@@ -1,0 +1,174 @@
+"""Host-side image preprocessing, bit-identical to the reference's PIL path.
+
+Owns: loading an image from a path / PIL image / numpy array into RGB uint8, the tiling
+choice, the LANCZOS resizes and overlap crops (uint8), the pixel-normalisation table (the
+reference normalises in bf16 even in float32 mode, so this is a 256-entry lookup), and the
+matrix that stitches the local crops' patch features and adaptive-average-pools them to the
+patch grid.  Everything here is numpy/PIL; nothing touches the device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import ml_dtypes
+import numpy as np
+from PIL import Image, ImageOps
+
+from .config import VisionConfig
+
+# Decompression-bomb guard of PIL, made explicit: images above this many pixels are refused.
+MAX_PIXELS = 178_956_970
+
+
+class ImageError(ValueError):
+    """An input that is not a usable image."""
+
+
+def load_image(image) -> Image.Image:
+    """A path, PIL image or HxWx{1,3,4} uint8 array -> RGB PIL image (EXIF rotation honoured)."""
+    if isinstance(image, (str, os.PathLike)):
+        path = os.fspath(image)
+        try:
+            with Image.open(path) as im:
+                im.seek(0)  # animated: first frame
+                im = ImageOps.exif_transpose(im)
+                im.load()
+                return _to_rgb(im, repr(path))
+        except FileNotFoundError:
+            raise ImageError(f"image file not found: {path!r}") from None
+        except (OSError, Image.DecompressionBombError, SyntaxError, ValueError) as e:
+            raise ImageError(f"cannot read image {path!r}: {e}") from None
+    if isinstance(image, Image.Image):
+        return _to_rgb(image, "the PIL image")
+    if isinstance(image, np.ndarray):
+        a = image
+        if a.dtype != np.uint8:
+            raise ImageError(
+                f"numpy image must be uint8 HxWx3, got dtype {a.dtype}; convert with "
+                "np.clip(x, 0, 255).astype(np.uint8)"
+            )
+        if a.ndim == 3 and a.shape[2] == 1:
+            a = a[:, :, 0]
+        if not (a.ndim == 2 or (a.ndim == 3 and a.shape[2] in (3, 4))):
+            raise ImageError(f"numpy image must have shape HxWx3, got {a.shape}")
+        return _to_rgb(Image.fromarray(np.ascontiguousarray(a)), "the numpy image")
+    raise ImageError(
+        f"unsupported image type {type(image).__name__}; pass a PIL image, an HxWx3 uint8 "
+        "numpy array or a file path"
+    )
+
+
+def _to_rgb(im: Image.Image, what: str) -> Image.Image:
+    w, h = im.size
+    if w < 1 or h < 1:
+        raise ImageError(f"{what} is empty ({w}x{h})")
+    if w * h > MAX_PIXELS:
+        raise ImageError(f"{what} is too large ({w}x{h}); downscale it below {MAX_PIXELS} pixels")
+    return im if im.mode == "RGB" else im.convert("RGB")
+
+
+def select_tiling(height: int, width: int, crop_size: int, max_crops: int) -> tuple[int, int]:
+    """(rows, cols) of local tiles, exactly as the reference chooses them."""
+    if height <= crop_size or width <= crop_size:
+        return (1, 1)
+    min_h = math.ceil(height / crop_size)
+    min_w = math.ceil(width / crop_size)
+    if min_h * min_w > max_crops:
+        ratio = math.sqrt(max_crops / (min_h * min_w))
+        return (max(1, math.floor(min_h * ratio)), max(1, math.floor(min_w * ratio)))
+    th = max(math.floor(math.sqrt(max_crops * height / width)), min_h)
+    tw = max(math.floor(math.sqrt(max_crops * width / height)), min_w)
+    if th * tw > max_crops:
+        if tw > th:
+            tw = math.floor(max_crops / th)
+        else:
+            th = math.floor(max_crops / tw)
+    return (max(1, th), max(1, tw))
+
+
+@dataclass(frozen=True)
+class Crops:
+    crops: np.ndarray          # [C, crop, crop, 3] uint8; crop 0 is the global view
+    tiling: tuple[int, int]    # (rows, cols) of local tiles; C = 1 + rows * cols
+
+
+def make_crops(image: Image.Image, cfg: VisionConfig) -> Crops:
+    """Global crop + overlapping local tiles (uint8), as the reference's PIL fallback does."""
+    arr = np.asarray(image)
+    h, w = arr.shape[:2]
+    patch, base = cfg.enc_patch_size, cfg.crop_size
+    margin = patch * cfg.overlap_margin
+    window = (cfg.grid - 2 * cfg.overlap_margin) * patch
+    th, tw = select_tiling(h - 2 * margin, w - 2 * margin, window, cfg.max_crops)
+    crops = np.zeros((1 + th * tw, base, base, arr.shape[2]), np.uint8)
+    pil = Image.fromarray(arr)
+    resized = np.asarray(pil.resize((tw * window + 2 * margin, th * window + 2 * margin),
+                                    resample=Image.Resampling.LANCZOS))
+    crops[0] = np.asarray(pil.resize((base, base), resample=Image.Resampling.LANCZOS))
+    for i in range(th):
+        for j in range(tw):
+            tile = resized[i * window:i * window + base, j * window:j * window + base]
+            crops[1 + i * tw + j, :tile.shape[0], :tile.shape[1]] = tile
+    return Crops(crops, (th, tw))
+
+
+@lru_cache(maxsize=None)
+def pixel_lut() -> np.ndarray:
+    """uint8 value -> normalised pixel, with the reference's bf16 rounding after every step
+    (cast, /255, -0.5, /0.5).  Returned as float32 holding exact bf16 values."""
+    bf16 = ml_dtypes.bfloat16
+    x = np.arange(256, dtype=np.float32).astype(bf16).astype(np.float32)
+    x = (x / np.float32(255.0)).astype(bf16).astype(np.float32)
+    x = (x - np.float32(0.5)).astype(bf16).astype(np.float32)
+    x = (x / np.float32(0.5)).astype(bf16).astype(np.float32)
+    return x
+
+
+def stitch_sources(tiling: tuple[int, int], cfg: VisionConfig) -> np.ndarray:
+    """[H, W, 2] int: (local crop index 1.., patch index) feeding each stitched feature cell.
+
+    Tile (i, j) keeps its patch rows/cols minus `overlap_margin` on every inner edge; the
+    kept blocks abut on a grid of (grid - 2*margin) patches.
+    """
+    th, tw = tiling
+    g, m = cfg.grid, cfg.overlap_margin
+    step = g - 2 * m
+    out = np.zeros((step * th + 2 * m, step * tw + 2 * m, 2), np.int64)
+    for i in range(th):
+        r0, r1 = (0 if i == 0 else m), (g if i == th - 1 else g - m)
+        for j in range(tw):
+            c0, c1 = (0 if j == 0 else m), (g if j == tw - 1 else g - m)
+            rr, cc = np.meshgrid(np.arange(r0, r1), np.arange(c0, c1), indexing="ij")
+            block = out[i * step + r0:i * step + r1, j * step + c0:j * step + c1]
+            block[..., 0] = 1 + i * tw + j
+            block[..., 1] = rr * g + cc
+    return out
+
+
+def _adaptive_pool_weights(n_in: int, n_out: int) -> np.ndarray:
+    """[n_out, n_in] averaging weights of PyTorch's adaptive_avg_pool along one axis:
+    output i averages inputs [floor(i*n_in/n_out), ceil((i+1)*n_in/n_out))."""
+    w = np.zeros((n_out, n_in), np.float32)
+    for i in range(n_out):
+        lo, hi = (i * n_in) // n_out, -((-(i + 1) * n_in) // n_out)
+        w[i, lo:hi] = 1.0 / (hi - lo)
+    return w
+
+
+@lru_cache(maxsize=64)
+def pool_operands(tiling: tuple[int, int], cfg: VisionConfig):
+    """What the device needs to stitch and pool the local crops' features for `tiling`:
+    `src` [H, W] int32 flat indices into the local features [n_local * patches], and the
+    separable pooling weights `ph` [grid, H] and `pw` [grid, W]."""
+    g = cfg.grid
+    src = stitch_sources(tiling, cfg)
+    flat = ((src[..., 0] - 1) * g * g + src[..., 1]).astype(np.int32)
+    ph = _adaptive_pool_weights(flat.shape[0], g)
+    pw = _adaptive_pool_weights(flat.shape[1], g)
+    for a in (flat, ph, pw):
+        a.setflags(write=False)
+    return flat, ph, pw

@@ -1,0 +1,60 @@
+"""Small pure building blocks shared by the vision, text and region models.
+
+Parameters are plain dicts: a linear layer is {"w": [in, out], "b": [out]} (the checkpoint's
+torch [out, in] weights are transposed once, by the converter), a LayerNorm is {"w", "b"}.
+Each function computes in float32 where the reference's numerics demand it and returns the
+input's dtype, so the same code runs the float32 parity model and the bf16 serving model.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from .dtypes import F32, matmul_precision
+
+LN_EPS = 1e-5
+
+
+def linear(x, p):
+    """x @ w + b, accumulated in float32, returned in x's dtype."""
+    y = jnp.einsum("...i,io->...o", x, p["w"], precision=matmul_precision(x.dtype),
+                   preferred_element_type=F32)
+    return (y + p["b"].astype(F32)).astype(x.dtype)
+
+
+def layer_norm(x, p):
+    xf = x.astype(F32)
+    mean = xf.mean(-1, keepdims=True)
+    var = jnp.square(xf - mean).mean(-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + LN_EPS)
+    return (y * p["w"].astype(F32) + p["b"].astype(F32)).astype(x.dtype)
+
+
+def gelu_tanh(x):
+    # The reference uses torch's tanh-approximate GELU everywhere in Moondream 2.
+    return jax.nn.gelu(x.astype(F32), approximate=True).astype(x.dtype)
+
+
+def mlp(x, p):
+    """fc1 -> GELU(tanh) -> fc2; p = {"fc1": linear, "fc2": linear}."""
+    return linear(gelu_tanh(linear(x, p["fc1"])), p["fc2"])
+
+
+def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS=None):
+    """Scaled dot-product attention with grouped KV heads.
+
+    KV head k serves the contiguous query heads [k*G, (k+1)*G), as the reference's
+    `enable_gqa` does.  Scores and softmax in float32.
+    """
+    b, t, n, h = q_BTNH.shape
+    kh = k_BSKH.shape[2]
+    g = n // kh
+    q = q_BTNH.reshape(b, t, kh, g, h)
+    prec = matmul_precision(q_BTNH.dtype)
+    s = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH, precision=prec,
+                   preferred_element_type=F32) * (h ** -0.5)
+    if mask_BTS is not None:
+        s = jnp.where(mask_BTS[:, None, None, :, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v_BSKH.dtype), v_BSKH, precision=prec,
+                   preferred_element_type=F32)
+    return o.reshape(b, t, n * h).astype(q_BTNH.dtype)

@@ -1,0 +1,213 @@
+"""The plain reference path: one request at a time, exactly the reference's control flow.
+
+Built from the same jitted programs (`step.py`) the engine uses, so the engine can be checked
+against it token for token.  Semantics (Moondream 2, normative): the first text token is
+sampled without suppression, every later one with the answer id banned; detect/point are
+greedy and continue while the full-vocabulary argmax is not EOS; x, y (and size) are read by
+the region heads from the hidden state before post_ln and fed back as embeddings;
+coordinates are bin/1024, sizes 2^(bin*10/1023 - 10), boxes are not clamped.
+
+`trace` (a dict) collects the intermediate arrays the parity tests compare.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import image as image_mod
+from .model import Model
+from .settings import Settings
+from .step import KIND_COORD, KIND_SIZE, KIND_TOKEN, kv_bucket, prompt_bucket
+from .streaming import TextStreamer
+from .text import init_cache
+
+_I32 = np.int32
+
+
+class ContextOverflow(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """The image prefix (BOS + image tokens) as per-layer K/V: [L, 730, K, H] each.
+
+    Reusable across calls on the same loaded model; not a persistence format (it depends on
+    this version's cache layout and the model's dtype)."""
+    k: jax.Array
+    v: jax.Array
+    tiling: tuple[int, int]
+
+    @property
+    def pos(self) -> int:
+        return self.k.shape[1]
+
+
+def encode_image(model: Model, img, trace: dict | None = None) -> EncodedImage:
+    cfg, P = model.cfg, model.programs
+    if isinstance(img, EncodedImage):
+        return img
+    pil = image_mod.load_image(img)
+    crops = image_mod.make_crops(pil, cfg.vision)
+    src, ph, pw = image_mod.pool_operands(crops.tiling, cfg.vision)
+    feats, emb = P.encode_image(model.params, crops.crops, src, ph, pw)
+    n = cfg.prefix_len
+    cache = init_cache(cfg, rows=1, length=n)
+    cache, _, _, _ = P.prefill(model.params, cache, P.image_prefix(model.params, emb),
+                               np.arange(n, dtype=_I32)[None], np.zeros(1, _I32),
+                               np.full(1, n, _I32), np.full(1, n - 1, _I32), n)
+    k, v = P.read_prefix(cache, 0)
+    if trace is not None:
+        trace.update(crops=crops.crops, tiling=crops.tiling, vision_out=feats, img_emb=emb,
+                     prefix_k=k, prefix_v=v)
+    return EncodedImage(k, v, crops.tiling)
+
+
+class _Session:
+    """One sequence in a one-row cache."""
+
+    def __init__(self, model: Model, enc: EncodedImage | None):
+        self.m, self.P, self.cfg = model, model.programs, model.cfg
+        self.cache = init_cache(self.cfg, rows=1)
+        if enc is not None:
+            self.cache = self.P.write_prefix(self.cache, enc.k, enc.v, 0)
+            self.pos, self.prefix = enc.pos, enc.pos
+        else:
+            self.pos, self.prefix = 0, 0
+        self.rows = np.zeros(1, _I32)
+        self.prefix_R = np.full(1, self.prefix, _I32)
+
+    @property
+    def max_context(self):
+        return self.cfg.text.max_context
+
+    def prefill(self, ids: list[int]):
+        t = len(ids)
+        if self.pos + t > self.max_context:
+            raise ContextOverflow(
+                f"prompt of {t} tokens at position {self.pos} exceeds the context of "
+                f"{self.max_context} tokens; shorten the question"
+            )
+        tb = prompt_bucket(t)
+        padded = np.zeros((1, tb), _I32)
+        padded[0, :t] = ids
+        pos = (self.pos + np.arange(tb, dtype=_I32))[None]
+        emb = self.P.embed_prompt(self.m.params, padded)
+        self.cache, hid, last, lg = self.P.prefill(
+            self.m.params, self.cache, emb, pos, self.rows, self.prefix_R,
+            np.full(1, t - 1, _I32), kv_bucket(self.pos + tb, self.max_context))
+        self.pos += t
+        return hid[0, :t], last, lg
+
+    def room(self, n: int = 1) -> bool:
+        return self.pos + n <= self.max_context
+
+    def decode(self, kind: int, token: int = 0, value=(0.0, 0.0)):
+        self.cache, h, lg = self.P.decode(
+            self.m.params, self.cache, np.full(1, kind, _I32), np.full(1, token, _I32),
+            np.asarray([value], np.float32), np.full(1, self.pos, _I32), self.rows,
+            self.prefix_R, kv_bucket(self.pos + 1, self.max_context))
+        self.pos += 1
+        return h, lg
+
+
+def generate_text(model: Model, enc: EncodedImage | None, prompt: list[int], s: Settings,
+                  on_text=None, trace: dict | None = None) -> dict:
+    """Caption / query answer.  Returns {"text", "ids", "finish_reason"}; `on_text(piece)` is
+    called with each flushed piece (streaming)."""
+    cfg, P = model.cfg, model.programs
+    tok_cfg = cfg.tokenizer
+    sess = _Session(model, enc)
+    hid, _, lg = sess.prefill(prompt)
+    if trace is not None:
+        trace["prefill_logits"] = lg[0]
+    no_ban = np.full((1, 1), -1, _I32)
+    ban_answer = np.full((1, 1), tok_cfg.answer_id, _I32)
+    samp = (np.full(1, s.temperature, np.float32), np.full(1, s.top_p, np.float32),
+            np.full(1, s.seed, _I32))
+    streamer = TextStreamer(model.prompts.decode)
+    pieces, ids, steps = [], [], []
+    nxt = int(P.sample(lg, no_ban, *samp, np.zeros(1, _I32))[0])
+    finish = "length"
+    while True:
+        if nxt == tok_cfg.eos_id:
+            finish = "stop"
+            break
+        if len(ids) >= s.max_tokens:
+            break
+        ids.append(nxt)
+        piece = streamer.push(nxt)
+        if piece:
+            pieces.append(piece)
+            if on_text:
+                on_text(piece)
+        # The reference decodes the last emitted token too; its logits are never used, so skip
+        # it unless a trace wants the hidden state.
+        if len(ids) == s.max_tokens and trace is None:
+            break
+        if not sess.room():
+            break
+        h, lg = sess.decode(KIND_TOKEN, nxt)
+        steps.append(h[0])
+        nxt = int(P.sample(lg, ban_answer, *samp, np.full(1, len(ids), _I32))[0])
+    tail = streamer.flush()
+    if tail:
+        pieces.append(tail)
+        if on_text:
+            on_text(tail)
+    if trace is not None:
+        trace.update(prefill_hidden=hid, step_hidden=jnp.stack(steps) if steps else None)
+    return {"text": "".join(pieces), "ids": ids, "finish_reason": finish}
+
+
+def generate_points(model: Model, enc: EncodedImage, prompt: list[int], *, with_size: bool,
+                    max_objects: int, trace: dict | None = None) -> dict:
+    """detect (with_size) / point.  Returns {"objects": [...], "bins": [...],
+    "finish_reason"}."""
+    cfg, P = model.cfg, model.programs
+    eos = cfg.tokenizer.eos_id
+    sess = _Session(model, enc)
+    hid, h, lg = sess.prefill(prompt)
+    per_object = 3 if with_size else 2
+    objects, bins, steps = [], [], []
+    finish = "stop"
+
+    def heads(h):
+        cb, cv, sb, sv = P.region_heads(model.params, h)
+        return int(cb[0]), float(cv[0]), np.array(sb[0]), np.array(sv[0])
+
+    if trace is not None:
+        trace["prefill_logits"] = lg[0]
+    while True:
+        if int(np.argmax(np.array(lg[0]))) == eos:
+            break
+        if len(objects) >= max_objects:
+            finish = "max_objects"
+            break
+        if not sess.room(per_object):
+            finish = "length"
+            break
+        xb, x, _, _ = heads(h)
+        h, _ = sess.decode(KIND_COORD, value=(x, 0.0))
+        steps.append(h[0])
+        yb, y, _, _ = heads(h)
+        h, lg = sess.decode(KIND_COORD, value=(y, 0.0))
+        steps.append(h[0])
+        if with_size:
+            _, _, sb, (w, hh) = heads(h)
+            h, lg = sess.decode(KIND_SIZE, value=(float(w), float(hh)))
+            steps.append(h[0])
+            w, hh = float(w), float(hh)
+            objects.append({"x_min": x - w / 2, "y_min": y - hh / 2,
+                            "x_max": x + w / 2, "y_max": y + hh / 2})
+            bins.append([xb, yb, int(sb[0]), int(sb[1])])
+        else:
+            objects.append({"x": x, "y": y})
+            bins.append([xb, yb])
+    if trace is not None:
+        trace.update(prefill_hidden=hid, step_hidden=jnp.stack(steps) if steps else None)
+    return {"objects": objects, "bins": bins, "finish_reason": finish}

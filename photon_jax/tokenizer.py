@@ -1,0 +1,93 @@
+"""The tokenizer: a local `tokenizer.json` (HF `tokenizers`), checked to be the right one, and
+the prompt templates as token ids.
+
+Moondream 2 (2025-06-21) and Moondream 3 use the "starmie" tokenizer of the separate HF repo
+`moondream/starmie-v1`: id 0 is `<|endoftext|>` (BOS = EOS) and ids 1-9 are special tokens.
+Older Moondream 2 revisions used a GPT-2 BPE, which would silently produce garbage prompts with
+the new templates, so it is refused by name.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tokenizers import Tokenizer
+
+from .config import TokenizerConfig
+
+STARMIE_HINT = (
+    "Moondream 2 (revision 2025-06-21) needs the 'starmie' tokenizer: download "
+    "tokenizer.json from the Hugging Face repo moondream/starmie-v1 and pass it with "
+    "--tokenizer PATH"
+)
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+def check_tokenizer(tok: Tokenizer, path: str = "tokenizer.json") -> None:
+    """Raise TokenizerError unless `tok` is a starmie-style tokenizer."""
+    first = tok.id_to_token(0)
+    if tok.token_to_id("<|endoftext|>") == 50256 or first == "!":
+        raise TokenizerError(
+            f"{path} is the older GPT-2 tokenizer of Moondream 2 revisions before 2025-06; "
+            + STARMIE_HINT
+        )
+    if first != "<|endoftext|>":
+        raise TokenizerError(
+            f"{path}: id 0 is {first!r}, expected '<|endoftext|>'. " + STARMIE_HINT
+        )
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    missing = [i for i in range(1, 10) if i not in special]
+    if missing:
+        raise TokenizerError(
+            f"{path}: ids {missing} are not special tokens, expected ids 1-9 to be Moondream's "
+            "special tokens. " + STARMIE_HINT
+        )
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    if not os.path.isfile(path):
+        raise TokenizerError(f"tokenizer file not found: {path}. " + STARMIE_HINT)
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise TokenizerError(f"cannot read tokenizer {path}: {e}") from None
+    check_tokenizer(tok, path)
+    return tok
+
+
+class Prompts:
+    """Token-id prompts of the reference (MD2 2025-06-21), including its quirks: the doubled
+    answer id after a query, and the leading space before a detect/point object."""
+
+    def __init__(self, tok: Tokenizer, cfg: TokenizerConfig):
+        self.tok, self.cfg = tok, cfg
+
+    def encode(self, s: str) -> list[int]:
+        # Default special-token handling, as the reference calls it.
+        return self.tok.encode(s).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def caption(self, length: str) -> list[int]:
+        try:
+            return list(getattr(self.cfg, f"caption_{length}"))
+        except AttributeError:
+            raise ValueError(
+                f"caption length must be 'short', 'normal' or 'long', got {length!r}"
+            ) from None
+
+    def query(self, question: str) -> list[int]:
+        c = self.cfg
+        return list(c.query_prefix) + self.encode(question) + list(c.query_suffix) * 2
+
+    def detect(self, obj: str) -> list[int]:
+        c = self.cfg
+        return list(c.detect_prefix) + self.encode(" " + obj) + list(c.detect_suffix)
+
+    def point(self, obj: str) -> list[int]:
+        c = self.cfg
+        return list(c.point_prefix) + self.encode(" " + obj) + list(c.point_suffix)

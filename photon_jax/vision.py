@@ -1,0 +1,68 @@
+"""The vision encoder (SigLIP-style ViT) and the projection to image embeddings.
+
+Pure functions over the `params["vision"]` subtree.  `encode_crops` maps uint8 crops to
+patch features; `project` stitches the local tiles' features, average-pools them to the patch
+grid, concatenates them after the global crop's features and runs the projection MLP.  The
+stitch/pool operands come from `photon_jax.image.pool_operands` (host side, per tiling).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from .config import VisionConfig
+from .dtypes import F32, matmul_precision
+from .image import pixel_lut
+from .layers import attention, gelu_tanh, layer_norm, linear, mlp
+
+
+def patchify(crops_CHWc, cfg: VisionConfig):
+    """[C, 378, 378, 3] -> [C, 729, 588], each patch flattened channel-major (c, py, px)."""
+    c = crops_CHWc.shape[0]
+    p, g = cfg.enc_patch_size, cfg.grid
+    x = crops_CHWc.reshape(c, g, p, g, p, cfg.in_channels)
+    x = x.transpose(0, 1, 3, 5, 2, 4)
+    return x.reshape(c, g * g, cfg.in_channels * p * p)
+
+
+def normalize(crops_u8, dtype):
+    """uint8 -> the reference's bf16-normalised pixels, in `dtype`."""
+    lut = jnp.asarray(pixel_lut())
+    return lut[crops_u8.astype(jnp.int32)].astype(dtype)
+
+
+def _block(x_CPE, p, n_heads: int):
+    c, n, e = x_CPE.shape
+    h = layer_norm(x_CPE, p["ln1"])
+    qkv = linear(h, p["qkv"])
+    q, k, v = jnp.split(qkv, 3, axis=-1)
+    hd = e // n_heads
+    shape = (c, n, n_heads, hd)
+    a = attention(q.reshape(shape), k.reshape(shape), v.reshape(shape))
+    x_CPE = x_CPE + linear(a, p["proj"])
+    h = layer_norm(x_CPE, p["ln2"])
+    return x_CPE + mlp(h, {"fc1": p["fc1"], "fc2": p["fc2"]})
+
+
+def encode_crops(pv, crops_u8, cfg: VisionConfig, dtype):
+    """[C, crop, crop, 3] uint8 -> [C, patches, enc_dim] features (after post_ln)."""
+    x = patchify(normalize(crops_u8, dtype), cfg)
+    x = linear(x, pv["patch_emb"]) + pv["pos_emb"].astype(dtype)[None]
+
+    def body(x, p):
+        return _block(x, p, cfg.enc_n_heads), None
+
+    x, _ = jax.lax.scan(body, x, pv["blocks"])
+    return layer_norm(x, pv["post_ln"])
+
+
+def project(pv, feats_CPE, src_HW, ph_GH, pw_GW):
+    """Global + stitched/pooled local features -> [patches, proj_out_dim] image embeddings."""
+    dtype = feats_CPE.dtype
+    e = feats_CPE.shape[-1]
+    local = feats_CPE[1:].reshape(-1, e)
+    stitched = local[src_HW]                                   # [H, W, E]
+    pooled = jnp.einsum("ah,hwe,bw->abe", ph_GH, stitched.astype(F32), pw_GW,
+                        precision=matmul_precision(F32))
+    pooled = pooled.reshape(-1, e).astype(dtype)
+    feats = jnp.concatenate([feats_CPE[0], pooled], axis=-1)
+    return mlp(feats, pv["proj_mlp"])
