@@ -115,10 +115,10 @@ class _Session:
         return h, lg
 
 
-def generate_text(model: Model, enc: EncodedImage | None, prompt: list[int], s: Settings,
-                  on_text=None, trace: dict | None = None) -> dict:
-    """Caption / query answer.  Returns {"text", "ids", "finish_reason"}; `on_text(piece)` is
-    called with each flushed piece (streaming)."""
+def iter_text(model: Model, enc: EncodedImage | None, prompt: list[int], s: Settings,
+              trace: dict | None = None):
+    """Caption / query answer as a generator of flushed text pieces (the reference's streaming
+    rules).  Its return value (StopIteration.value) is {"text", "ids", "finish_reason"}."""
     cfg, P = model.cfg, model.programs
     tok_cfg = cfg.tokenizer
     sess = _Session(model, enc)
@@ -143,8 +143,7 @@ def generate_text(model: Model, enc: EncodedImage | None, prompt: list[int], s: 
         piece = streamer.push(nxt)
         if piece:
             pieces.append(piece)
-            if on_text:
-                on_text(piece)
+            yield piece
         # The reference decodes the last emitted token too; its logits are never used, so skip
         # it unless a trace wants the hidden state.
         if len(ids) == s.max_tokens and trace is None:
@@ -157,11 +156,21 @@ def generate_text(model: Model, enc: EncodedImage | None, prompt: list[int], s: 
     tail = streamer.flush()
     if tail:
         pieces.append(tail)
-        if on_text:
-            on_text(tail)
+        yield tail
     if trace is not None:
         trace.update(prefill_hidden=hid, step_hidden=jnp.stack(steps) if steps else None)
     return {"text": "".join(pieces), "ids": ids, "finish_reason": finish}
+
+
+def generate_text(model: Model, enc: EncodedImage | None, prompt: list[int], s: Settings,
+                  trace: dict | None = None) -> dict:
+    """iter_text run to completion: {"text", "ids", "finish_reason"}."""
+    gen = iter_text(model, enc, prompt, s, trace)
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
 
 
 def generate_points(model: Model, enc: EncodedImage, prompt: list[int], *, with_size: bool,
