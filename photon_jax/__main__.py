@@ -1,0 +1,41 @@
+"""`python -m photon_jax CKPT IMAGE...`: caption a few images with a converted checkpoint and
+print one JSON line per image (a quick check; the dataset tool is `photon-caption`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m photon_jax",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("checkpoint", help="directory written by photon-convert")
+    ap.add_argument("images", nargs="+", help="image files")
+    ap.add_argument("--length", default="normal", choices=["short", "normal", "long"])
+    ap.add_argument("--max-tokens", type=int, default=768)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32"])
+    args = ap.parse_args(argv)
+    from photon_jax import Moondream
+
+    t0 = time.perf_counter()
+    md = Moondream.load(args.checkpoint, dtype=args.dtype)
+    settings = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    failed = 0
+    for path in args.images:
+        try:
+            cap = md.caption(path, args.length, settings=settings)["caption"]
+            print(json.dumps({"path": path, "caption": cap}), flush=True)
+        except ValueError as e:
+            failed += 1
+            print(json.dumps({"path": path, "caption": None, "error": str(e)}), flush=True)
+    print(f"{len(args.images)} image(s), {failed} failed, {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

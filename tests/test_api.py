@@ -1,0 +1,200 @@
+"""The public API on the converted fixture model: results equal the reference's, every input
+kind works, bad input gets a clear error, calls are thread-safe."""
+
+import inspect
+import os
+import threading
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from photon_jax import Moondream
+from photon_jax.checkpoint import CheckpointError
+from photon_jax.image import ImageError, load_image
+from photon_jax.settings import SettingsError
+
+from conftest import FIXTURE_DIR
+
+LAND = os.path.join(FIXTURE_DIR, "img_land800x600.png")
+GREEDY = {"temperature": 0, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def md(tiny_ckpt):
+    with Moondream.load(tiny_ckpt) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def ref(cases):
+    return cases["fp32"]["land800x600"]["cases"]
+
+
+def test_outputs_match_reference(md, ref, cases):
+    q, obj = cases["settings"]["query"], cases["settings"]["object"]
+    for length in ("short", "normal", "long"):
+        assert md.caption(LAND, length, settings=GREEDY) == {
+            "caption": ref[f"caption_{length}"]["text"]}
+    assert md.query(LAND, q, settings=GREEDY) == {"answer": ref["query"]["text"]}
+    det = md.detect(LAND, obj, settings={"max_objects": 5})
+    assert list(det) == ["objects"] and len(det["objects"]) == len(ref["detect"]["result"])
+    for a, b in zip(det["objects"], ref["detect"]["result"]):
+        assert set(a) == {"x_min", "y_min", "x_max", "y_max"}
+        assert all(abs(a[k] - b[k]) < 1e-6 for k in a)
+    pts = md.point(LAND, obj, settings={"max_objects": 5})
+    assert pts == {"points": ref["point"]["result"]}
+
+
+def test_image_kinds_agree(md):
+    pil = Image.open(LAND)
+    arr = np.asarray(pil.convert("RGB"))
+    outs = [md.caption(x, "short", settings=GREEDY)["caption"]
+            for x in (LAND, pil, arr, md.encode_image(LAND))]
+    assert len(set(outs)) == 1
+
+
+def test_encoded_image_reuse(md, ref):
+    enc = md.encode_image(LAND)
+    assert enc.pos == 730
+    a = md.caption(enc, "normal", settings=GREEDY)["caption"]
+    b = md.caption(enc, "normal", settings=GREEDY)["caption"]
+    assert a == b == ref["caption_normal"]["text"]
+
+
+def test_streaming_joins_to_the_same_text(md, ref):
+    out = md.caption(LAND, "normal", stream=True, settings=GREEDY)["caption"]
+    pieces = list(out)
+    assert len(pieces) > 1
+    assert "".join(pieces) == ref["caption_normal"]["text"]
+
+
+def test_sampling_is_seeded(md):
+    s = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8}
+    a = md.query(LAND, "w5 w6", settings={**s, "seed": 1})["answer"]
+    b = md.query(LAND, "w5 w6", settings={**s, "seed": 1})["answer"]
+    others = {md.query(LAND, "w5 w6", settings={**s, "seed": k})["answer"] for k in range(2, 8)}
+    assert a == b
+    assert others - {a}, "other seeds should give other samples"
+
+
+def test_text_only_query(md):
+    out = md.query(None, "w100 w200", settings=GREEDY)
+    assert isinstance(out["answer"], str)
+    with pytest.raises(ValueError, match="question"):
+        md.query(LAND, None)
+
+
+def test_keyword_only_signatures():
+    for name, positional in (("caption", ["image", "length"]), ("query", ["image", "question"]),
+                             ("detect", ["image", "object"]), ("point", ["image", "object"])):
+        sig = inspect.signature(getattr(Moondream, name))
+        params = [p for p in sig.parameters.values() if p.name != "self"]
+        pos = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+        assert pos == positional, name
+        assert all(p.kind == p.KEYWORD_ONLY for p in params[len(pos):]), name
+
+
+@pytest.mark.parametrize("settings,match", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"max_objects": 0}, "max_objects"),
+    ({"temprature": 0.1}, "unknown settings key"),
+])
+def test_bad_settings(md, settings, match):
+    with pytest.raises(SettingsError, match=match):
+        md.caption(LAND, settings=settings)
+
+
+def test_variant_setting_is_ignored_with_warning(md):
+    with pytest.warns(UserWarning, match="variant"):
+        md.caption(LAND, "short", settings={"variant": "abc", **GREEDY})
+
+
+def test_bad_inputs(md, tmp_path):
+    with pytest.raises(ValueError, match="length"):
+        md.caption(LAND, "medium")
+    with pytest.raises(ImageError, match="not found"):
+        md.caption(str(tmp_path / "nope.png"))
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image at all")
+    with pytest.raises(ImageError, match="cannot read image"):
+        md.caption(str(bad))
+    with pytest.raises(ImageError, match="uint8"):
+        md.caption(np.zeros((10, 10, 3), np.float32))
+    with pytest.raises(ImageError, match="unsupported image type"):
+        md.caption(12345)
+    with pytest.raises(ValueError, match="object"):
+        md.detect(LAND, "")
+
+
+def test_load_rejects_hf_folder_and_garbage(tmp_path):
+    with pytest.raises(CheckpointError, match="photon-convert"):
+        Moondream.load(FIXTURE_DIR)
+    with pytest.raises(CheckpointError, match="not found"):
+        Moondream.load(tmp_path / "missing")
+    with pytest.raises(CheckpointError, match="not a photon_jax checkpoint"):
+        Moondream.load(tmp_path)
+
+
+def test_threads_get_the_same_answers(md, ref):
+    results, errors = [], []
+
+    def work(i):
+        try:
+            if i % 2:
+                results.append(("c", md.caption(LAND, "normal", settings=GREEDY)["caption"]))
+            else:
+                results.append(("p", md.point(LAND, "w42", settings={"max_objects": 5})))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors
+    assert len(results) == 6
+    for kind, out in results:
+        if kind == "c":
+            assert out == ref["caption_normal"]["text"]
+        else:
+            assert out == {"points": ref["point"]["result"]}
+
+
+def test_dtype_override_and_close(tiny_ckpt):
+    md = Moondream.load(tiny_ckpt, dtype="bfloat16", device=0)
+    assert md.config.dtype == "bfloat16"
+    out = md.caption(LAND, "short", settings=GREEDY)
+    assert isinstance(out["caption"], str)
+    md.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        md.caption(LAND)
+
+
+# -- image loading --------------------------------------------------------------------
+
+
+def test_image_modes_and_exif(tmp_path):
+    rgb = np.random.default_rng(0).integers(0, 255, (20, 30, 3), np.uint8)
+    for mode in ("RGBA", "P", "L", "CMYK"):
+        im = Image.fromarray(rgb).convert(mode)
+        out = load_image(im)
+        assert out.mode == "RGB" and out.size == (30, 20)
+    # EXIF orientation 6 (rotate 90 CW to display): a 30x20 stored image displays as 20x30.
+    p = tmp_path / "rot.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(rgb).save(p, exif=exif)
+    assert load_image(str(p)).size == (20, 30)
+    with pytest.raises(ImageError, match="empty"):
+        load_image(np.zeros((0, 5, 3), np.uint8))
+    gif = tmp_path / "anim.gif"
+    frames = [Image.fromarray(np.full((8, 8, 3), v, np.uint8)) for v in (10, 200)]
+    frames[0].save(gif, save_all=True, append_images=frames[1:])
+    first = np.asarray(load_image(str(gif)))
+    assert abs(int(first[0, 0, 0]) - 10) < 8
