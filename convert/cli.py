@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     except ConvertError as e:
         print(f"photon-convert: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # unwritable output, disk full, ...: a message, not a traceback
+        print(f"photon-convert: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -125,6 +125,12 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", tokenizer: st
         raise ConvertError(f"input directory not found: {hf_dir}")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConvertError(f"output path exists and is not a directory: {out_dir}")
+    src_abs, out_abs = os.path.realpath(hf_dir), os.path.realpath(out_dir)
+    if src_abs == out_abs or src_abs.startswith(out_abs + os.sep):
+        raise ConvertError(
+            f"output directory {out_dir} is (or contains) the input {hf_dir}; choose another "
+            "OUT_DIR (--overwrite would delete the input)"
+        )
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ConvertError(f"output directory {out_dir} is not empty; pass --overwrite to replace it")
     cfg_path = os.path.join(hf_dir, "config.json")
@@ -147,6 +153,8 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", tokenizer: st
     except SafetensorsError as e:
         raise ConvertError(str(e)) from None
     work = plan(cfg, tensors)
+    index_files = [p for p in [os.path.join(hf_dir, "model.safetensors.index.json")]
+                   if os.path.isfile(p)]
 
     # Validation done: build the output tree, one stored tensor at a time.
     dt = _NP[dtype]
@@ -161,25 +169,31 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", tokenizer: st
         else:
             leaves[tgt.path][tgt.layer] = arr
         del arr
+    # Hand orbax device arrays, one leaf at a time: given NumPy leaves it copies the whole tree
+    # before writing (measured: peak = 2x the output), given jax.Arrays it does not.
     tree: dict = {}
-    for path, arr in leaves.items():
+    for path in list(leaves):
         node = tree
         for k in path[:-1]:
             node = node.setdefault(k, {})
-        node[path[-1]] = arr
-    del leaves
+        node[path[-1]] = jax.device_put(leaves.pop(path), jax.devices("cpu")[0])
 
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".photon-convert-", dir=parent)
     try:
+        # mkdtemp makes a 0700 directory; give the checkpoint the usual umask-based mode.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
         checkpoint.save_params(tmp, tree)
         shutil.copyfile(tok_path, os.path.join(tmp, "tokenizer.json"))
         provenance = {
             "converter_version": CONVERTER_VERSION,
             "dtype": dtype,
             "source_dir": os.path.abspath(hf_dir),
-            "source_sha256": {os.path.basename(p): _sha256(p) for p in [*files, cfg_path]},
+            "source_sha256": {os.path.basename(p): _sha256(p)
+                              for p in [*files, *index_files, cfg_path]},
             "tokenizer_sha256": _sha256(tok_path),
             "n_tensors": len(work),
             "n_params": int(sum(a.size for a in jax.tree.leaves(tree))),

@@ -73,8 +73,12 @@ def index_checkpoint(hf_dir: str) -> tuple[dict[str, TensorRef], list[str]]:
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-        except (OSError, KeyError, json.JSONDecodeError) as e:
-            raise SafetensorsError(f"{index}: unreadable index ({e})") from None
+        except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+            raise SafetensorsError(f"{index}: unreadable index ({e!r})") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise SafetensorsError(f"{index}: 'weight_map' must map tensor names to file names")
         files = sorted({os.path.join(hf_dir, v) for v in weight_map.values()})
     elif os.path.isfile(single):
         files, weight_map = [single], None
@@ -94,6 +98,11 @@ def index_checkpoint(hf_dir: str) -> tuple[dict[str, TensorRef], list[str]]:
         missing = sorted(set(weight_map) - set(tensors))
         if missing:
             raise SafetensorsError(f"tensors listed in the index but absent: {missing[:10]}")
+        unlisted = sorted(set(tensors) - set(weight_map))
+        if unlisted:
+            raise SafetensorsError(
+                f"{index}: shards hold tensors the index does not list: {unlisted[:10]}"
+            )
     return tensors, files
 
 

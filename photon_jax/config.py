@@ -252,8 +252,12 @@ def _override(obj, overrides: Any, section: str, skip: tuple = ()):
     kw = {}
     for k, val in overrides.items():
         default = getattr(obj, k)
-        if val is None or isinstance(default, str):
-            kw[k] = val
+        if val is None:
+            if default is not None:
+                raise ConfigError(f"config {section}.{k} must not be null")
+            kw[k] = None
+        elif isinstance(default, str):
+            kw[k] = str(val)
         elif isinstance(default, float) and not isinstance(val, bool):
             kw[k] = float(val)
         elif isinstance(val, bool) or not isinstance(val, (int, float)) or int(val) != val:

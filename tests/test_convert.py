@@ -623,6 +623,21 @@ def _case_missing_shard(src, hf, fx):
     return ["missing", "model-00002-of-00002.safetensors"]
 
 
+def _case_null_config_value(src, hf, fx):
+    # "group_size": null is legitimate; a null size is not a model and must be a clean error
+    c = _config(fx, lambda c: c["config"]["text"].__setitem__("dim", None))
+    with open(hf / "config.json", "w") as f:
+        json.dump(c, f)
+    return ["text.dim", "config.json"]
+
+
+def _case_index_not_object(src, hf, fx):
+    os.rename(hf / "model.safetensors", hf / "model-00001-of-00001.safetensors")
+    with open(hf / "model.safetensors.index.json", "w") as f:
+        json.dump(["model-00001-of-00001.safetensors"], f)
+    return ["model.safetensors.index.json"]
+
+
 BAD = {
     "missing_tensor": _case_missing,
     "extra_tensor": _case_extra,
@@ -643,6 +658,8 @@ BAD = {
     "no_config_json": _case_no_config,
     "no_weights": _case_no_weights,
     "missing_shard": _case_missing_shard,
+    "null_config_value": _case_null_config_value,
+    "index_not_an_object": _case_index_not_object,
 }
 
 
@@ -688,6 +705,20 @@ def test_non_empty_out_dir_needs_overwrite(fixture_dir, tmp_path, capsys, ref_pa
                                        "tokenizer.json"]
     assert_same_params(restore(out), ref_params)
     no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["same", "parent"])
+def test_overwrite_never_deletes_the_input(fixture_dir, tmp_path, where):
+    """`photon-convert DIR DIR --overwrite` (or OUT_DIR above HF_DIR) must be refused, not
+    replace the Hugging Face snapshot by the converted checkpoint."""
+    hf = make_hf(fixture_dir, tmp_path / "ckpts")
+    out = hf if where == "same" else hf.parent
+    before = sorted(os.listdir(hf))
+    with pytest.raises(ConvertError) as e:
+        _convert_quiet(hf, out, overwrite=True)
+    assert str(hf) in str(e.value) or "input" in str(e.value)
+    assert sorted(os.listdir(hf)) == before
+    no_leftovers(out.parent)
 
 
 def test_out_path_is_a_file(fixture_dir, tmp_path):
