@@ -21,7 +21,7 @@ import numpy as np
 from photon_jax import checkpoint
 from photon_jax.config import ConfigError, MoondreamConfig, from_hf_config_json
 from photon_jax.dtypes import canonical
-from photon_jax.params import param_shapes
+from photon_jax.params import flatten, param_shapes
 from photon_jax.tokenizer import TokenizerError, load_tokenizer
 
 from .names import Target, canonical_name, hf_table, stored_shape
@@ -36,17 +36,7 @@ class ConvertError(ValueError):
 
 
 def _leaf_shapes(cfg):
-    flat = {}
-
-    def walk(d, path):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                walk(v, (*path, k))
-            else:
-                flat[(*path, k)] = v
-
-    walk(param_shapes(cfg), ())
-    return flat
+    return flatten(param_shapes(cfg))
 
 
 def plan(cfg: MoondreamConfig, tensors: dict) -> list[tuple[object, Target, bool]]:

@@ -118,3 +118,15 @@ def stored_shape(target_shape: tuple[int, ...], tgt: Target, transposed: bool) -
     if tgt.transform == "squeeze0":
         return (1, *target_shape)
     return tuple(target_shape)
+
+
+def hf_shapes(cfg: MoondreamConfig, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of `cfg` holds, with its stored shape."""
+    from photon_jax.params import flatten, param_shapes
+
+    leaves = flatten(param_shapes(cfg))
+    out = {}
+    for hf, tgt in hf_table(cfg).items():
+        full = leaves[tgt.path]
+        out[prefix + hf] = stored_shape(full[1:] if tgt.layer is not None else full, tgt, False)
+    return out

@@ -106,3 +106,18 @@ def init_params(key, cfg: MoondreamConfig, dtype=None) -> dict:
 
 def count_params(tree) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def flatten(tree: dict, is_leaf=None) -> dict:
+    """{path tuple: leaf} of a nested dict (shape tuples count as leaves)."""
+    flat = {}
+
+    def walk(node, path):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, (*path, k))
+            else:
+                flat[(*path, k)] = v
+
+    walk(tree, ())
+    return flat

@@ -22,6 +22,7 @@ from photon_jax.config import FORMAT_VERSION, tiny
 from photon_jax.convert import ConvertError, convert
 from photon_jax.convert.cli import main
 from photon_jax.convert.safetensors_io import read_header, read_tensor
+from photon_jax.params import flatten
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _ST_CODE = {
@@ -86,17 +87,7 @@ def restore(path) -> dict:
     """{tree path tuple: numpy array} of a converted checkpoint, in its own dtype."""
     cfg = checkpoint.read_config(str(path))
     tree = checkpoint.restore_params(str(path), cfg)
-    flat = {}
-
-    def walk(node, p):
-        for k, v in node.items():
-            if isinstance(v, dict):
-                walk(v, (*p, k))
-            else:
-                flat[(*p, k)] = np.asarray(v)
-
-    walk(tree, ())
-    return flat
+    return {k: np.asarray(v) for k, v in flatten(tree).items()}
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -799,22 +790,9 @@ HAND_SHAPES = {
 def test_partial_config_overrides_defaults_gqa(fixture_dir, tmp_path, src):
     from photon_jax.config import MoondreamConfig
     from photon_jax.convert import names
-    from photon_jax.params import param_shapes
 
     cfg = MoondreamConfig.from_dict(PARTIAL)
-    shapes = param_shapes(cfg)
-
-    def leaf(path):
-        node = shapes
-        for k in path:
-            node = node[k]
-        return node
-
-    hf_shapes = {}
-    for hf, tgt in names.hf_table(cfg).items():
-        full = leaf(tgt.path)
-        hf_shapes["model." + hf] = names.stored_shape(
-            full[1:] if tgt.layer is not None else full, tgt, False)
+    hf_shapes = names.hf_shapes(cfg)
     for n, s in HAND_SHAPES.items():
         assert hf_shapes[n] == s, n
     # The names are the fixture's (27 vision blocks) minus text block 1.

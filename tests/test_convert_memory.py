@@ -17,6 +17,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 
 import ml_dtypes
@@ -25,7 +26,6 @@ import pytest
 
 from photon_jax.config import MoondreamConfig
 from photon_jax.convert import names
-from photon_jax.params import param_shapes
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 GiB = 1 << 30
@@ -59,15 +59,7 @@ BASELINE = (  # the same imports and interpreter, no conversion
 
 
 def _hf_shapes(cfg):
-    shapes = param_shapes(cfg)
-    out = {}
-    for hf, tgt in names.hf_table(cfg).items():
-        node = shapes
-        for k in tgt.path:
-            node = node[k]
-        out["model." + hf] = names.stored_shape(
-            node[1:] if tgt.layer is not None else node, tgt, False)
-    return out
+    return names.hf_shapes(cfg)
 
 
 def _write_streaming(path, shapes: dict, pool: np.ndarray) -> int:
@@ -95,8 +87,11 @@ def _write_streaming(path, shapes: dict, pool: np.ndarray) -> int:
 
 
 def _peak_kib(args, env) -> int:
+    # Run outside the checkout: `python -c` puts the working directory first on sys.path, and
+    # the source tree's photon_jax/ (without the installed photon_jax.convert) would shadow
+    # the installed package.
     r = subprocess.run([sys.executable, "-c", LAUNCHER, *args], capture_output=True, text=True,
-                       env=env, timeout=300)
+                       env=env, timeout=300, cwd=tempfile.gettempdir())
     assert r.returncode == 0, r.stderr[-4000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("PEAK_KIB")][-1]
     return int(line.split()[1])

@@ -9,7 +9,6 @@ from PIL import Image
 from photon_jax import Moondream
 from photon_jax.config import MoondreamConfig
 from photon_jax.convert import names
-from photon_jax.params import param_shapes
 
 from test_convert import BF16, make_hf
 from photon_jax.convert.cli import main
@@ -24,13 +23,9 @@ CONFIG = {
 
 def _hf_tensors(cfg, seed):
     rng = np.random.default_rng(seed)
-    shapes = param_shapes(cfg)
     out = {}
-    for hf, tgt in names.hf_table(cfg).items():
-        node = shapes
-        for k in tgt.path:
-            node = node[k]
-        shape = names.stored_shape(node[1:] if tgt.layer is not None else node, tgt, False)
+    for name, shape in names.hf_shapes(cfg, prefix="").items():
+        hf = name
         z = rng.standard_normal(shape)
         if hf.endswith("weight") and len(shape) == 2 and "features" not in hf:
             z = z / np.sqrt(shape[1])

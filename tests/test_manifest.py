@@ -15,7 +15,7 @@ from photon_jax.config import moondream2
 from photon_jax.convert import ConvertError, names
 from photon_jax.convert.convert import plan
 from photon_jax.convert.safetensors_io import TensorRef
-from photon_jax.params import count_params, init_params
+from photon_jax.params import flatten, count_params, init_params
 
 MANIFEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures",
                         "moondream2-manifest.json")
@@ -35,17 +35,7 @@ def cfg():
 @pytest.fixture(scope="module")
 def abstract(cfg):
     tree = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), cfg))
-    flat = {}
-
-    def walk(node, p):
-        for k, v in node.items():
-            if isinstance(v, dict):
-                walk(v, (*p, k))
-            else:
-                flat[(*p, k)] = v
-
-    walk(tree, ())
-    return tree, flat
+    return tree, flatten(tree)
 
 
 def test_abstract_tree_is_not_allocated(abstract, cfg):
