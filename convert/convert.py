@@ -143,8 +143,8 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", tokenizer: st
     except SafetensorsError as e:
         raise ConvertError(str(e)) from None
     work = plan(cfg, tensors)
-    index_files = [p for p in [os.path.join(hf_dir, "model.safetensors.index.json")]
-                   if os.path.isfile(p)]
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    index_files = [index] if os.path.isfile(index) else []
 
     # Validation done: build the output tree, one stored tensor at a time.
     dt = _NP[dtype]

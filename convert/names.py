@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from photon_jax.config import MoondreamConfig
+from photon_jax.params import flatten, param_shapes
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,6 @@ def stored_shape(target_shape: tuple[int, ...], tgt: Target, transposed: bool) -
 
 def hf_shapes(cfg: MoondreamConfig, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of `cfg` holds, with its stored shape."""
-    from photon_jax.params import flatten, param_shapes
-
     leaves = flatten(param_shapes(cfg))
     out = {}
     for hf, tgt in hf_table(cfg).items():

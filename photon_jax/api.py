@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from . import reference
 from .model import Model
 from .reference import EncodedImage
 from .settings import parse
-
-_LENGTHS = ("short", "normal", "long")
-
 
 class Moondream:
     def __init__(self, model: Model):
@@ -45,7 +44,7 @@ class Moondream:
     def close(self) -> None:
         """Drop the params and compiled programs so their device memory can be freed."""
         if self._model is not None:
-            for leaf in __import__("jax").tree.leaves(self._model.params):
+            for leaf in jax.tree.leaves(self._model.params):
                 leaf.delete()
             self._model = None
 
@@ -65,12 +64,10 @@ class Moondream:
 
     def caption(self, image, length: str = "normal", *, stream: bool = False,
                 settings: dict | None = None) -> dict:
-        if length not in _LENGTHS:
-            raise ValueError(f"length must be one of {_LENGTHS}, got {length!r}")
         s = parse(settings)
         m = self._m
+        prompt = m.prompts.caption(length)  # validates `length` before any device work
         enc = reference.encode_image(m, image)
-        prompt = m.prompts.caption(length)
         return {"caption": self._text(enc, prompt, s, stream)}
 
     def query(self, image=None, question: str | None = None, *, stream: bool = False,

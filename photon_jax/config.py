@@ -240,7 +240,7 @@ class MoondreamConfig:
 def _override(obj, overrides: Any, section: str, skip: tuple = ()):
     if not isinstance(overrides, dict):
         raise ConfigError(f"config section {section!r} must be a dict")
-    names = {f.name: f for f in fields(obj)} 
+    names = {f.name: f for f in fields(obj)}
     for s in skip:
         names.pop(s, None)
     unknown = sorted(set(overrides) - set(names))

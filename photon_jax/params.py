@@ -108,8 +108,8 @@ def count_params(tree) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
 
 
-def flatten(tree: dict, is_leaf=None) -> dict:
-    """{path tuple: leaf} of a nested dict (shape tuples count as leaves)."""
+def flatten(tree: dict) -> dict:
+    """{path tuple: leaf} of a nested dict: anything that is not a dict is a leaf."""
     flat = {}
 
     def walk(node, path):

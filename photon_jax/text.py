@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import MoondreamConfig, TextConfig
-from .dtypes import F32
+from .dtypes import F32, jnp_dtype
 from .layers import attention, gelu_tanh, layer_norm, linear
 
 
@@ -25,14 +25,6 @@ from .layers import attention, gelu_tanh, layer_norm, linear
 class KVCache:
     k: jax.Array  # [L, R, S, K, H]
     v: jax.Array  # [L, R, S, K, H]
-
-    @property
-    def rows(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def length(self) -> int:
-        return self.k.shape[2]
 
     @property
     def nbytes(self) -> int:
@@ -44,8 +36,6 @@ def cache_shape(cfg: TextConfig, rows: int, length: int | None = None):
 
 
 def init_cache(cfg: MoondreamConfig, rows: int, length: int | None = None, dtype=None):
-    from .dtypes import jnp_dtype
-
     shape = cache_shape(cfg.text, rows, length)
     dt = jnp_dtype(dtype or cfg.dtype)
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))

@@ -73,12 +73,9 @@ class Prompts:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
     def caption(self, length: str) -> list[int]:
-        try:
-            return list(getattr(self.cfg, f"caption_{length}"))
-        except AttributeError:
-            raise ValueError(
-                f"caption length must be 'short', 'normal' or 'long', got {length!r}"
-            ) from None
+        if length not in ("short", "normal", "long"):
+            raise ValueError(f"caption length must be 'short', 'normal' or 'long', got {length!r}")
+        return list(getattr(self.cfg, f"caption_{length}"))
 
     def query(self, question: str) -> list[int]:
         c = self.cfg
