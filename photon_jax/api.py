@@ -1,9 +1,12 @@
 """The public Python API, shaped like Moondream's own (`caption`, `query`, `detect`, `point`,
 `encode_image`; the same argument names, settings keys and return dicts).
 
-This first version runs every call through the one-request reference path; the pipelined
-engine takes its place behind the same methods without changing results.  Calls are safe from
-several threads: each call owns its KV cache and the params are read-only.
+Every call runs through the one pipelined `Engine` of this `Moondream` (DESIGN.md 3).  Each
+method takes one image or a list: a list is submitted at once, runs as one continuous batch
+and returns `list[dict]` in input order (questions / objects: one shared string or a list of
+the same length).  If some items of a list fail, the call raises `BatchError` after every
+item finished; it carries the per-item results and errors.  Calls are safe from several
+threads: they only submit requests and wait for their own results.
 """
 
 from __future__ import annotations
@@ -13,27 +16,52 @@ import os
 import jax
 
 from . import reference
+from .engine import Engine, Request
 from .model import Model
 from .reference import EncodedImage
 from .settings import parse
 
+
+class BatchError(RuntimeError):
+    """Some items of a list call failed.  `results[i]` is item i's output (None if it failed),
+    `errors[i]` its exception (None if it succeeded)."""
+
+    def __init__(self, results: list, errors: list):
+        self.results, self.errors = results, errors
+        failed = [i for i, e in enumerate(errors) if e is not None]
+        first = errors[failed[0]]
+        super().__init__(f"{len(failed)} of {len(errors)} items failed (first: item "
+                         f"{failed[0]}: {type(first).__name__}: {first})")
+
+
 class Moondream:
-    def __init__(self, model: Model):
-        self._model = model
+    def __init__(self, model: Model, engine: Engine):
+        self._model, self._engine = model, engine
 
     @classmethod
-    def load(cls, path, *, dtype=None, device=None) -> "Moondream":
-        """Load a checkpoint directory written by `photon-convert`.
+    def load(cls, path, *, dtype=None, pipelined: bool = True, max_batch_size: int = 32,
+             max_context: int | None = None, device=None) -> "Moondream":
+        """Load a checkpoint directory written by `photon-convert` and start its engine.
 
         dtype: None keeps the checkpoint's dtype; "bfloat16" or "float32" casts on load.
+        pipelined: False selects the blocking twin of the engine (no overlap; same results).
+        max_batch_size: rows decoded together (the KV cache holds this many sequences).
+        max_context: KV positions per sequence (None = the model's context).
         device: a `jax.Device`, a device index, or None for the default device.
         Nothing is downloaded: the directory holds the weights, config and tokenizer.
         """
-        return cls(Model.load(os.fspath(path), dtype=dtype, device=device))
+        model = Model.load(os.fspath(path), dtype=dtype, device=device)
+        return cls(model, Engine(model, max_batch_size=max_batch_size, max_context=max_context,
+                                 pipelined=pipelined))
 
     @property
     def config(self):
         return self._m.cfg
+
+    @property
+    def engine(self) -> Engine:
+        self._m
+        return self._engine
 
     @property
     def _m(self) -> Model:
@@ -42,8 +70,9 @@ class Moondream:
         return self._model
 
     def close(self) -> None:
-        """Drop the params and compiled programs so their device memory can be freed."""
+        """Finish running requests, stop the engine and free its device memory."""
         if self._model is not None:
+            self._engine.close()
             for leaf in jax.tree.leaves(self._model.params):
                 leaf.delete()
             self._model = None
@@ -56,56 +85,99 @@ class Moondream:
 
     # -- skills -------------------------------------------------------------------------
 
-    def encode_image(self, image) -> EncodedImage:
+    def encode_image(self, image) -> EncodedImage | list[EncodedImage]:
         """Encode once, query many times: the result (the image prefix's KV) is accepted by
         every method in place of an image.  Valid for this loaded model only; do not persist
         it across versions."""
+        if isinstance(image, list):
+            return [reference.encode_image(self._m, x) for x in image]
         return reference.encode_image(self._m, image)
 
     def caption(self, image, length: str = "normal", *, stream: bool = False,
-                settings: dict | None = None) -> dict:
+                settings: dict | None = None):
+        s = parse(settings)
+        prompt = self._m.prompts.caption(length)  # validates `length` before any work
+        return self._run("caption", image, _Shared([None]), stream,
+                         lambda img, _: Request("text", prompt, img, s),
+                         lambda r: {"caption": r["text"]})
+
+    def query(self, image=None, question: str | list | None = None, *, stream: bool = False,
+              settings: dict | None = None):
         s = parse(settings)
         m = self._m
-        prompt = m.prompts.caption(length)  # validates `length` before any device work
-        enc = reference.encode_image(m, image)
-        return {"caption": self._text(enc, prompt, s, stream)}
+        questions = _check_strings(question, "question", allow_empty=True)
 
-    def query(self, image=None, question: str | None = None, *, stream: bool = False,
-              settings: dict | None = None) -> dict:
-        if not isinstance(question, str):
-            raise ValueError("question must be a string")
+        def request(img, q):
+            if img is None:
+                # Text-only query, as the reference builds it: BOS, then the prompt from
+                # position 0, purely causal.
+                return Request("text", [m.cfg.tokenizer.bos_id] + m.prompts.query(q), None, s)
+            return Request("text", m.prompts.query(q), img, s)
+
+        return self._run("answer", image, questions, stream, request,
+                         lambda r: {"answer": r["text"]}, optional_image=True)
+
+    def detect(self, image, object: str | list, *, settings: dict | None = None):
         s = parse(settings)
-        m = self._m
-        if image is None:
-            # Text-only query, as the reference builds it: BOS, then the prompt from
-            # position 0, purely causal.
-            enc = None
-            prompt = [m.cfg.tokenizer.bos_id] + m.prompts.query(question)
-        else:
-            enc = reference.encode_image(m, image)
-            prompt = m.prompts.query(question)
-        return {"answer": self._text(enc, prompt, s, stream)}
+        objs = _check_strings(object, "object")
+        return self._run("objects", image, objs, False,
+                         lambda img, o: Request("detect", self._m.prompts.detect(o), img, s),
+                         lambda r: {"objects": r["objects"]})
 
-    def detect(self, image, object: str, *, settings: dict | None = None) -> dict:
-        return {"objects": self._points(image, object, settings, with_size=True)}
-
-    def point(self, image, object: str, *, settings: dict | None = None) -> dict:
-        return {"points": self._points(image, object, settings, with_size=False)}
+    def point(self, image, object: str | list, *, settings: dict | None = None):
+        s = parse(settings)
+        objs = _check_strings(object, "object")
+        return self._run("points", image, objs, False,
+                         lambda img, o: Request("point", self._m.prompts.point(o), img, s),
+                         lambda r: {"points": r["objects"]})
 
     # -- plumbing -----------------------------------------------------------------------
 
-    def _text(self, enc, prompt, s, stream):
-        gen = reference.iter_text(self._m, enc, prompt, s)
+    def _run(self, key, image, args, stream, make, shape, optional_image=False):
+        engine = self.engine
+        batch = isinstance(image, list) or not isinstance(args, _Shared)
+        if not batch:
+            if image is None and not optional_image:
+                raise ValueError("image is required; pass a path, PIL image, HxWx3 uint8 array "
+                                 "or an EncodedImage")
+            h = engine.submit(make(image, args[0]))
+            if stream:
+                return {key: h.text_stream()}
+            return shape(h.result())
         if stream:
-            return gen
-        return "".join(gen)
+            raise ValueError("stream=True works on one image at a time; for a list, call "
+                             "without stream (results come back in input order)")
+        images = image if isinstance(image, list) else [image] * len(args)
+        if isinstance(args, _Shared):
+            args = [args[0]] * len(images)
+        if len(args) != len(images):
+            raise ValueError(f"{len(images)} images but {len(args)} questions/objects; pass one "
+                             "string for all, or a list of the same length")
+        if not optional_image and any(x is None for x in images):
+            raise ValueError("image is required for every item of the list")
+        handles = [engine.submit(make(img, a)) for img, a in zip(images, args)]
+        results, errors = [], []
+        for h in handles:
+            try:
+                results.append(shape(h.result()))
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001 - reported per item below
+                results.append(None)
+                errors.append(e)
+        if any(e is not None for e in errors):
+            raise BatchError(results, errors)
+        return results
 
-    def _points(self, image, obj, settings, *, with_size):
-        if not isinstance(obj, str) or not obj.strip():
-            raise ValueError("object must be a non-empty string, e.g. 'face'")
-        s = parse(settings)
-        m = self._m
-        enc = reference.encode_image(m, image)
-        prompt = m.prompts.detect(obj) if with_size else m.prompts.point(obj)
-        return reference.generate_points(m, enc, prompt, with_size=with_size,
-                                         max_objects=s.max_objects)["objects"]
+
+class _Shared(list):
+    """One question/object shared by every image of a call."""
+
+
+def _check_strings(x, name: str, allow_empty: bool = False) -> list:
+    items = x if isinstance(x, list) else [x]
+    for v in items:
+        if not isinstance(v, str) or (not allow_empty and not v.strip()):
+            raise ValueError(f"{name} must be a non-empty string (or a list of them), got "
+                             f"{v!r}" if not allow_empty else
+                             f"{name} must be a string (or a list of them), got {v!r}")
+    return items if isinstance(x, list) else _Shared(items)

@@ -13,6 +13,7 @@ coordinates are bin/1024, sizes 2^(bin*10/1023 - 10), boxes are not clamped.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -47,24 +48,42 @@ class EncodedImage:
         return self.k.shape[1]
 
 
+@dataclass(frozen=True)
+class PreparedImage:
+    """An image's crops and pooling operands, already uploaded: what the device needs to
+    encode it.  Built on any thread (the engine uses worker threads)."""
+    crops: jax.Array   # [C, crop, crop, 3] uint8
+    src: jax.Array
+    ph: jax.Array
+    pw: jax.Array
+    tiling: tuple[int, int]
+
+
+def prepare_image(model: Model, img) -> PreparedImage:
+    """Decode + crop on the host, then explicit uploads (no implicit transfer later)."""
+    crops = image_mod.make_crops(image_mod.load_image(img), model.cfg.vision)
+    src, ph, pw = image_mod.pool_operands(crops.tiling, model.cfg.vision)
+    put = partial(jax.device_put, device=model.device)
+    return PreparedImage(put(crops.crops), put(src), put(ph), put(pw), crops.tiling)
+
+
+def encode_prepared(model: Model, prep: PreparedImage) -> EncodedImage:
+    """Device only (asynchronous): vision encoder, projection and the image prefix KV."""
+    k, v = model.programs.image_kv(model.params, prep.crops, prep.src, prep.ph, prep.pw)
+    return EncodedImage(k, v, prep.tiling)
+
+
 def encode_image(model: Model, img, trace: dict | None = None) -> EncodedImage:
-    cfg, P = model.cfg, model.programs
     if isinstance(img, EncodedImage):
         return img
-    pil = image_mod.load_image(img)
-    crops = image_mod.make_crops(pil, cfg.vision)
-    src, ph, pw = image_mod.pool_operands(crops.tiling, cfg.vision)
-    feats, emb = P.encode_image(model.params, crops.crops, src, ph, pw)
-    n = cfg.prefix_len
-    cache = init_cache(cfg, rows=1, length=n)
-    cache, _, _, _ = P.prefill(model.params, cache, P.image_prefix(model.params, emb),
-                               np.arange(n, dtype=_I32)[None], np.zeros(1, _I32),
-                               np.full(1, n, _I32), np.full(1, n - 1, _I32), n)
-    k, v = P.read_prefix(cache, 0)
+    prep = prepare_image(model, img)
+    enc = encode_prepared(model, prep)
     if trace is not None:
-        trace.update(crops=crops.crops, tiling=crops.tiling, vision_out=feats, img_emb=emb,
-                     prefix_k=k, prefix_v=v)
-    return EncodedImage(k, v, crops.tiling)
+        feats, emb = model.programs.encode_image(model.params, prep.crops, prep.src, prep.ph,
+                                                 prep.pw)
+        trace.update(crops=np.array(prep.crops), tiling=prep.tiling, vision_out=feats,
+                     img_emb=emb, prefix_k=enc.k, prefix_v=enc.v)
+    return enc
 
 
 class _Session:

@@ -31,11 +31,23 @@ def _top_p_draw(logits_V, temperature, top_p, key):
     return order[idx]
 
 
-def sample(logits_RV, ban_RB, temperature_R, top_p_R, seed_R, index_R):
-    """-> [R] int32 token ids.  temperature 0 means argmax (lowest id on ties)."""
-    logits_RV = apply_bans(logits_RV.astype(F32), ban_RB)
+def draw(logits_RV, temperature_R, top_p_R, seed_R, index_R):
+    """[R, V] float32 logits (bans already applied as -inf) -> [R] int32 token ids.
+    temperature 0 means argmax (lowest id on ties).  When no row samples, the top-p path
+    (a sort over the vocabulary per row) is skipped on the device, not on the host."""
     greedy = jnp.argmax(logits_RV, axis=-1).astype(jnp.int32)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seed_R, index_R)
-    safe_t = jnp.where(temperature_R > 0, temperature_R, 1.0)
-    drawn = jax.vmap(_top_p_draw)(logits_RV, safe_t, top_p_R, keys).astype(jnp.int32)
-    return jnp.where(temperature_R > 0, drawn, greedy)
+
+    def stochastic(_):
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(
+            seed_R, index_R)
+        safe_t = jnp.where(temperature_R > 0, temperature_R, 1.0)
+        drawn = jax.vmap(_top_p_draw)(logits_RV, safe_t, top_p_R, keys).astype(jnp.int32)
+        return jnp.where(temperature_R > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(temperature_R > 0), stochastic, lambda _: greedy, None)
+
+
+def sample(logits_RV, ban_RB, temperature_R, top_p_R, seed_R, index_R):
+    """-> [R] int32 token ids, with the listed ids banned."""
+    return draw(apply_bans(logits_RV.astype(F32), ban_RB), temperature_R, top_p_R, seed_R,
+                index_R)

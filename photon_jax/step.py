@@ -4,6 +4,12 @@
 arguments are only the shape buckets (`kv_len`).  The KV cache is donated into every call that
 writes it and handed back, so it is updated in place.
 
+The engine's programs are `forward` (decode R rows into a slot), `prefill_slot` (prompt
+prefill into a slot) and `sample_step` (constrained sampling of a slot's rows into the
+pending buffers): forward and sample are separate so the constraint of step t+1 can be
+built on the host after step t is committed.  `ceiling` iterates forward + sample inside one
+jitted loop: the device-only bound of the benchmark.
+
 Input kinds of a decode row (`kind_R`): 0 = token id, 1 = coordinate value, 2 = size value.
 Detect/point feed region values back as embeddings, so one decode program serves text and
 region steps and rows of different kinds can share a step.
@@ -18,11 +24,75 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from . import region, sampling, text, vision
+import flax.struct
+import numpy as np
+
+from . import region, sampling, skills, text, vision
 from .config import MoondreamConfig
-from .dtypes import jnp_dtype
+from .dtypes import F32, jnp_dtype
 
 KIND_TOKEN, KIND_COORD, KIND_SIZE = 0, 1, 2
+
+# Rows of the per-step metadata array `meta_FR` (int32 [4, R]), uploaded once per launch.
+M_ROW, M_POS, M_PREFIX, M_LAST = range(4)
+# Rows of the per-step sampling array `samp_FR` (int32 [5 + A, R]), uploaded once per
+# finalize: constraint id, token index, seed, temperature and top_p (float32 bits), then A
+# rows of an optional per-row allowed-id set (-1 = unused).
+S_CONSTRAINT, S_INDEX, S_SEED, S_TEMP, S_TOP_P, S_ALLOW = range(6)
+
+
+@flax.struct.dataclass
+class Slot:
+    """Per-step buffers, preallocated at the maximum step size; a step uses the first R rows.
+    Two of these alternate; each is donated into the call that writes it."""
+    logits: jax.Array   # [Rs, V] float32: forward output, read by sample
+    hidden: jax.Array   # [Rs, D]: last hidden before post_ln (region heads read it)
+    out: jax.Array      # [Rs, 3] int32: sampled id, value x bits, value y bits (host reads)
+
+
+@flax.struct.dataclass
+class Pending:
+    """Device-resident next inputs per cache row: what the next forward of that row feeds."""
+    kind: jax.Array     # [Rc] int32: KIND_TOKEN / KIND_COORD / KIND_SIZE
+    token: jax.Array    # [Rc] int32
+    value: jax.Array    # [Rc, 2] float32: coordinate (x, 0) or size (w, h)
+
+
+@flax.struct.dataclass
+class Tables:
+    """The constraint table: one row per constraint id of `skills`, indexed by one int per
+    row and step, so a step uploads R ints instead of an [R, V] mask."""
+    ban: jax.Array       # [M, V] bool: True = logit set to -inf
+    remap: jax.Array     # [M] int32: sampled ids become this id (-1 = keep)
+    keep_eos: jax.Array  # [M] bool: ...except EOS, which stays EOS
+    spatial: jax.Array   # [M] bool: coord/size ids carry region values
+
+
+def make_tables(cfg: MoondreamConfig) -> dict:
+    """Host (NumPy) contents of the constraint table."""
+    t, v = cfg.tokenizer, cfg.text.vocab_size
+    m = skills.N_CONSTRAINTS
+    ban = np.zeros((m, v), bool)
+    ban[skills.BAN_ANSWER, t.answer_id] = True
+    remap = np.full(m, -1, np.int32)
+    remap[[skills.SPATIAL_X, skills.FORCE_COORD]] = t.coord_id
+    remap[skills.FORCE_SIZE] = t.size_id
+    keep_eos = np.zeros(m, bool)
+    keep_eos[skills.SPATIAL_X] = True
+    spatial = np.zeros(m, bool)
+    spatial[[skills.SPATIAL_X, skills.FORCE_COORD, skills.FORCE_SIZE]] = True
+    return dict(ban=ban, remap=remap, keep_eos=keep_eos, spatial=spatial)
+
+
+def init_slot(cfg: MoondreamConfig, rows: int) -> Slot:
+    dt = jnp_dtype(cfg.dtype)
+    return Slot(jnp.zeros((rows, cfg.text.vocab_size), F32), jnp.zeros((rows, cfg.text.dim), dt),
+                jnp.zeros((rows, 3), jnp.int32))
+
+
+def init_pending(rows: int) -> Pending:
+    return Pending(jnp.zeros(rows, jnp.int32), jnp.zeros(rows, jnp.int32),
+                   jnp.zeros((rows, 2), F32))
 
 
 def input_embeddings(params, cfg: MoondreamConfig, kind_R, token_R, value_R2):
@@ -56,6 +126,87 @@ def _decode(params, cache, kind_R, token_R, value_R2, pos_R, rows_R, prefix_R, k
     return cache, h, text.logits(params["text"], h)
 
 
+def _forward(params, cache, slot: Slot, pending: Pending, meta_FR, kv_len, *, cfg):
+    """One decode step for R rows: inputs gathered on the device from the pending buffers by
+    cache row (never through the host), logits and hidden written into the slot."""
+    rows = meta_FR[M_ROW]
+    cache, h, lg = _decode(params, cache, pending.kind[rows], pending.token[rows],
+                           pending.value[rows], meta_FR[M_POS], rows, meta_FR[M_PREFIX], kv_len,
+                           cfg=cfg)
+    return cache, _into_slot(slot, h, lg)
+
+
+def _into_slot(slot: Slot, h_RD, logits_RV) -> Slot:
+    return slot.replace(logits=slot.logits.at[: h_RD.shape[0]].set(logits_RV),
+                        hidden=slot.hidden.at[: h_RD.shape[0]].set(h_RD.astype(slot.hidden.dtype)))
+
+
+def _prefill_slot(params, cache, slot: Slot, ids_RT, meta_FR, kv_len, *, cfg):
+    """Prompt prefill for R rows starting at per-row positions (after an image prefix, or 0
+    for text-only prompts); the last real position's logits and hidden go into the slot."""
+    t = ids_RT.shape[1]
+    pos = meta_FR[M_POS][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    emb = _embed_prompt(params, ids_RT, cfg=cfg)
+    cache, _, last, lg = _prefill(params, cache, emb, pos, meta_FR[M_ROW], meta_FR[M_PREFIX],
+                                  meta_FR[M_LAST], kv_len, cfg=cfg)
+    return cache, _into_slot(slot, last, lg)
+
+
+def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, meta_FR, samp_FR, *, cfg):
+    """Sample R rows of a forwarded step under their constraints; decode region values; write
+    the host-bound results into the slot and the next inputs into the pending buffers."""
+    r = meta_FR.shape[1]
+    tok_cfg = cfg.tokenizer
+    rows = meta_FR[M_ROW]
+    cons = samp_FR[S_CONSTRAINT]
+    logits = slot.logits[:r]
+    ban = tables.ban[cons]
+    allow_RA = samp_FR[S_ALLOW:].T
+    restricted = jnp.any(allow_RA >= 0, axis=1)
+    ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    allowed = jnp.any(ids[None, None, :] == allow_RA[:, :, None], axis=1)
+    ban = ban | (restricted[:, None] & ~allowed)
+    temp = jax.lax.bitcast_convert_type(samp_FR[S_TEMP], F32)
+    top_p = jax.lax.bitcast_convert_type(samp_FR[S_TOP_P], F32)
+    tok = sampling.draw(jnp.where(ban, -jnp.inf, logits), temp, top_p, samp_FR[S_SEED],
+                        samp_FR[S_INDEX])
+    remap = tables.remap[cons]
+    keep = tables.keep_eos[cons] & (tok == tok_cfg.eos_id)
+    tok = jnp.where((remap >= 0) & ~keep, remap, tok)
+    spatial = tables.spatial[cons]
+    kind = jnp.where(spatial & (tok == tok_cfg.coord_id), KIND_COORD,
+                     jnp.where(spatial & (tok == tok_cfg.size_id), KIND_SIZE, KIND_TOKEN))
+
+    def values(_):
+        _, cval, _, sval = _region_heads(params, slot.hidden[:r], cfg=cfg)
+        return jnp.stack([cval, jnp.zeros_like(cval)], -1), sval
+
+    zeros = jnp.zeros((r, 2), F32)
+    # Text-only steps skip the region MLPs on the device.
+    coord, size = jax.lax.cond(jnp.any(spatial), values, lambda _: (zeros, zeros), None)
+    k = kind[:, None]
+    value = jnp.where(k == KIND_COORD, coord, jnp.where(k == KIND_SIZE, size, zeros))
+    out = jnp.concatenate([tok[:, None], jax.lax.bitcast_convert_type(value, jnp.int32)], -1)
+    slot = slot.replace(out=slot.out.at[:r].set(out))
+    pending = Pending(pending.kind.at[rows].set(kind), pending.token.at[rows].set(tok),
+                      pending.value.at[rows].set(value))
+    return slot, pending
+
+
+def _ceiling(params, cache, slot, pending, tables, meta_FR, samp_FR, n_steps, kv_len, *, cfg):
+    """The device-only ceiling: `n_steps` decode + sample steps in one jitted loop, no host
+    work between them (positions and token indices advance by one per step)."""
+    def body(i, carry):
+        cache, slot, pending = carry
+        meta = meta_FR.at[M_POS].add(i)
+        samp = samp_FR.at[S_INDEX].add(i)
+        cache, slot = _forward(params, cache, slot, pending, meta, kv_len, cfg=cfg)
+        slot, pending = _sample_step(params, slot, pending, tables, meta, samp, cfg=cfg)
+        return cache, slot, pending
+
+    return jax.lax.fori_loop(0, n_steps, body, (cache, slot, pending))
+
+
 def _embed_prompt(params, ids_RT, *, cfg):
     return text.embed_tokens(params["text"], ids_RT).astype(jnp_dtype(cfg.dtype))
 
@@ -77,8 +228,17 @@ def _region_heads(params, hidden_RD, *, cfg):
             region.size_value(sbin, r.size_out_dim // 2))
 
 
-def _read_prefix(cache, row, *, n: int):
-    return cache.k[:, row, :n], cache.v[:, row, :n]
+def _image_kv(params, crops_u8, src, ph, pw, *, cfg):
+    """An image's prefix KV ([L, 730, K, H] each): encode, project, and prefill BOS + image
+    tokens (bidirectional) in a one-row cache of exactly the prefix length."""
+    n = cfg.prefix_len
+    _, emb = _encode_image(params, crops_u8, src, ph, pw, cfg=cfg)
+    cache = text.init_cache(cfg, rows=1, length=n)
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    zero, full = jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32)
+    _, cache = text.forward(params["text"], cfg.text, _image_prefix(params, emb, cfg=cfg), pos,
+                            cache, zero, full, n)
+    return cache.k[:, 0], cache.v[:, 0]
 
 
 def _write_prefix(cache, k_LPKH, v_LPKH, row):
@@ -92,14 +252,18 @@ def _write_prefix(cache, k_LPKH, v_LPKH, row):
 class Programs:
     cfg: MoondreamConfig
     encode_image: Callable
+    image_kv: Callable
     prefill: Callable
     decode: Callable
     embed_prompt: Callable
-    image_prefix: Callable
     region_heads: Callable
     sample: Callable
-    read_prefix: Callable
     write_prefix: Callable
+    # The engine's programs (slot, pending buffers and KV cache are donated).
+    forward: Callable
+    prefill_slot: Callable
+    sample_step: Callable
+    ceiling: Callable
 
 
 def build(cfg: MoondreamConfig) -> Programs:
@@ -107,15 +271,27 @@ def build(cfg: MoondreamConfig) -> Programs:
     return Programs(
         cfg=cfg,
         encode_image=jax.jit(partial(_encode_image, **c)),
+        image_kv=jax.jit(partial(_image_kv, **c)),
         prefill=jax.jit(partial(_prefill, **c), static_argnums=(7,), donate_argnums=(1,)),
         decode=jax.jit(partial(_decode, **c), static_argnums=(8,), donate_argnums=(1,)),
         embed_prompt=jax.jit(partial(_embed_prompt, **c)),
-        image_prefix=jax.jit(partial(_image_prefix, **c)),
         region_heads=jax.jit(partial(_region_heads, **c)),
         sample=jax.jit(sampling.sample),
-        read_prefix=jax.jit(partial(_read_prefix, n=cfg.prefix_len)),
         write_prefix=jax.jit(_write_prefix, donate_argnums=(0,)),
+        forward=jax.jit(partial(_forward, **c), static_argnums=(5,), donate_argnums=(1, 2)),
+        prefill_slot=jax.jit(partial(_prefill_slot, **c), static_argnums=(5,),
+                             donate_argnums=(1, 2)),
+        sample_step=jax.jit(partial(_sample_step, **c), donate_argnums=(1, 2)),
+        ceiling=jax.jit(partial(_ceiling, **c), static_argnums=(8,), donate_argnums=(1, 2, 3)),
     )
+
+
+def row_bucket(n: int, max_rows: int) -> int:
+    """Rows a step of n rows compiles for: 1, 2, 4, 8, 16, 32, ... capped at max_rows."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, max_rows)
 
 
 def kv_bucket(n: int, max_context: int, step: int = 256) -> int:

@@ -1,0 +1,124 @@
+"""Per-request skill state machines: what a request may sample next, what a committed token
+means, when it is finished.  Pure Python, no JAX; the engine calls them only at commit (and
+asks for the next constraint right after), so they always see committed state.
+
+Semantics are the Moondream 2 reference's (normative, see `reference.py`):
+
+- text (caption, query): the first token is sampled freely, every later one with the answer
+  id banned.  EOS ends the request ("stop"); after `max_tokens` tokens, or when the context is
+  full, it ends with "length" and the last token is kept.
+- detect / point: objects are (x, y[, size]) cycles.  At an x step the argmax over the full
+  vocabulary decides: EOS ends the request, anything else is read as a coordinate.  y and size
+  steps are forced.  A new object starts only while fewer than `max_objects` exist and the
+  context has room for a whole object.
+
+Every stopping rule except EOS depends only on the token index, so the engine predicts it at
+dispatch (`feedable`) and a capped request never rides an extra step as a zombie.
+
+Constraint ids index the small device table built in `step.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .streaming import TextStreamer
+
+# Constraint ids (rows of the device mask table).
+FREE = 0          # no constraint
+BAN_ANSWER = 1    # the answer id is banned
+SPATIAL_X = 2     # full-vocabulary argmax; EOS stays EOS, anything else becomes coord_id
+FORCE_COORD = 3   # always coord_id
+FORCE_SIZE = 4    # always size_id
+N_CONSTRAINTS = 5
+
+
+class TextSkill:
+    spatial = False
+
+    def __init__(self, *, max_tokens: int, prompt_end: int, max_context: int, eos_id: int,
+                 decode: Callable, on_text: Callable | None = None, ignore_eos: bool = False):
+        self.max_tokens, self.prompt_end, self.max_context = max_tokens, prompt_end, max_context
+        self.eos_id, self.ignore_eos = eos_id, ignore_eos
+        self.on_text = on_text
+        self.streamer = TextStreamer(decode)
+        self.ids: list[int] = []
+        self.pieces: list[str] = []
+        self.count = 0   # tokens committed (including a final EOS)
+
+    def constraint(self, index: int) -> int:
+        return FREE if index == 0 else BAN_ANSWER
+
+    def feedable(self, index: int) -> bool:
+        """May token `index` be fed back to produce token index + 1 (unless it is EOS)?"""
+        return index + 1 < self.max_tokens and self.prompt_end + index + 1 <= self.max_context
+
+    def consume(self, token: int, value) -> str | None:
+        i = self.count
+        self.count += 1
+        if token == self.eos_id and not self.ignore_eos:
+            return "stop"
+        self.ids.append(token)
+        self._emit(self.streamer.push(token))
+        return None if self.feedable(i) else "length"
+
+    def _emit(self, piece: str) -> None:
+        if piece:
+            self.pieces.append(piece)
+            if self.on_text is not None:
+                self.on_text(piece)
+
+    def result(self, finish_reason: str) -> dict:
+        self._emit(self.streamer.flush())
+        return {"text": "".join(self.pieces), "ids": list(self.ids),
+                "finish_reason": finish_reason, "output_tokens": self.count}
+
+
+class PointsSkill:
+    spatial = True
+
+    def __init__(self, *, with_size: bool, max_objects: int, prompt_end: int, max_context: int,
+                 eos_id: int, ignore_eos: bool = False):
+        self.with_size = with_size
+        self.per_object = 3 if with_size else 2
+        self.max_objects, self.prompt_end, self.max_context = max_objects, prompt_end, max_context
+        self.eos_id, self.ignore_eos = eos_id, ignore_eos
+        self.objects: list[dict] = []
+        self.count = 0
+        self._x = self._y = 0.0
+
+    def constraint(self, index: int) -> int:
+        return (SPATIAL_X, FORCE_COORD, FORCE_SIZE)[index % self.per_object]
+
+    def _may_start_object(self, index: int) -> bool:
+        return (index // self.per_object < self.max_objects
+                and self.prompt_end + index + self.per_object <= self.max_context)
+
+    def feedable(self, index: int) -> bool:
+        return index % self.per_object != 0 or self._may_start_object(index)
+
+    def consume(self, token: int, value) -> str | None:
+        i = self.count
+        self.count += 1
+        phase = i % self.per_object
+        if phase == 0:
+            if token == self.eos_id and not self.ignore_eos:
+                return "stop"
+            if not self._may_start_object(i):
+                return "max_objects" if len(self.objects) >= self.max_objects else "length"
+            self._x = float(value[0])
+        elif phase == 1:
+            self._y = float(value[0])
+            if not self.with_size:
+                self.objects.append({"x": self._x, "y": self._y})
+        else:
+            w, h = float(value[0]), float(value[1])
+            x, y = self._x, self._y
+            # Not clamped to [0, 1]: the reference does not clamp.
+            self.objects.append({"x_min": x - w / 2, "y_min": y - h / 2,
+                                 "x_max": x + w / 2, "y_max": y + h / 2})
+        return None
+
+    def result(self, finish_reason: str) -> dict:
+        return {"objects": list(self.objects), "finish_reason": finish_reason,
+                "output_tokens": self.count}
