@@ -161,7 +161,8 @@ class _Step:
 class Engine:
     def __init__(self, model: Model, *, max_batch_size: int = 32, max_context: int | None = None,
                  pipelined: bool = True, prefill_tokens: int = 2048, workers: int = 2,
-                 log_steps: int = 100_000, record_events: bool = False):
+                 log_steps: int = 100_000, record_events: bool = False,
+                 warmup: bool = False):
         cfg = model.cfg
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
@@ -195,6 +196,7 @@ class Engine:
         self._last_kind = None
         self.failure: BaseException | None = None
         self.alive = True
+        self._warmup = warmup
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="photon-prep")
         self._thread = threading.Thread(target=self._loop, name="photon-scheduler", daemon=True)
         self._thread.start()
@@ -267,8 +269,27 @@ class Engine:
 
     # -- scheduler thread -----------------------------------------------------------------
 
+    def _compile_decode_shapes(self) -> None:
+        """Compile decode + sample for every (row bucket, attended-length bucket), so steady
+        decoding never waits for the compiler.  Every row is the dummy row: nothing real is
+        touched."""
+        P, params = self.programs, self.model.params
+        for rb in step_mod.row_buckets(self.max_batch_size):
+            meta = jax.device_put(np.zeros((4, rb), _I32), self.device)
+            samp = np.zeros((step_mod.S_ALLOW + 1, rb), _I32)
+            samp[step_mod.S_ALLOW] = -1
+            for kv_len in step_mod.kv_buckets(self.max_context):
+                self.kv, self.slots[0] = P.forward(params, self.kv, self.slots[0], self.pending,
+                                                   meta, kv_len)
+            self.slots[0], self.pending = P.sample_step(params, self.slots[0], self.pending,
+                                                        self.tables, meta,
+                                                        jax.device_put(samp, self.device))
+        jax.block_until_ready(self.pending)
+
     def _loop(self) -> None:
         try:
+            if self._warmup:
+                self._compile_decode_shapes()
             while True:
                 self._wake.clear()
                 self._take_inbox()

@@ -294,9 +294,18 @@ def row_bucket(n: int, max_rows: int) -> int:
     return min(b, max_rows)
 
 
+def row_buckets(max_rows: int) -> list[int]:
+    return sorted({row_bucket(n, max_rows) for n in range(1, max_rows + 1)})
+
+
 def kv_bucket(n: int, max_context: int, step: int = 256) -> int:
     """Attended KV length for a sequence of n positions: a multiple of `step`, capped."""
     return min(max_context, -(-max(n, 1) // step) * step)
+
+
+def kv_buckets(max_context: int) -> list[int]:
+    return sorted({kv_bucket(n, max_context) for n in range(1, max_context + 1, 256)}
+                  | {max_context})
 
 
 def prompt_bucket(n: int, step: int = 16) -> int:

@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 from photon_jax import Moondream
+from photon_jax.api import BatchError
 from photon_jax.checkpoint import CheckpointError
 from photon_jax.image import ImageError, load_image
 from photon_jax.settings import SettingsError
@@ -198,3 +199,50 @@ def test_image_modes_and_exif(tmp_path):
     frames[0].save(gif, save_all=True, append_images=frames[1:])
     first = np.asarray(load_image(str(gif)))
     assert abs(int(first[0, 0, 0]) - 10) < 8
+
+
+# -- lists and the engine ----------------------------------------------------------------
+
+
+def test_lists_run_as_one_batch_in_input_order(md, ref, tmp_path):
+    imgs = [os.path.join(FIXTURE_DIR, f) for f in
+            ("img_land800x600.png", "img_sq378.png", "img_land800x600.png")]
+    singles = [md.caption(p, "normal", settings=GREEDY) for p in imgs]
+    assert md.caption(imgs, "normal", settings=GREEDY) == singles
+    assert singles[0] == {"caption": ref["caption_normal"]["text"]}
+    before = len(md.engine.step_log())
+    qs = ["w5 w6", "w7", "w8 w9"]
+    answers = md.query(imgs, qs, settings=GREEDY)
+    # The three requests ran together: decode steps held several rows.
+    steps = md.engine.step_log()[before:]
+    assert max(s["rows"] for s in steps if s["kind"] == "decode") == 3
+    assert answers == [md.query(p, q, settings=GREEDY) for p, q in zip(imgs, qs)]
+    pts = md.point(imgs[:2], "w42", settings={"max_objects": 5})
+    assert pts[0] == {"points": ref["point"]["result"]}
+    assert len(md.detect(imgs[:2], ["w1", "w2"])) == 2
+    assert md.query(None, ["w1", "w2"], settings=GREEDY) == [
+        md.query(None, q, settings=GREEDY) for q in ("w1", "w2")]
+
+
+def test_list_with_a_bad_item_raises_after_the_rest(md, tmp_path):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"junk")
+    with pytest.raises(BatchError, match="1 of 3 items failed") as e:
+        md.caption([LAND, str(bad), LAND], "short", settings=GREEDY)
+    assert e.value.results[0] == e.value.results[2] == md.caption(LAND, "short",
+                                                                  settings=GREEDY)
+    assert e.value.results[1] is None and isinstance(e.value.errors[1], ImageError)
+    with pytest.raises(ValueError, match="2 images but 3"):
+        md.query([LAND, LAND], ["a", "b", "c"])
+    with pytest.raises(ValueError, match="stream=True"):
+        md.caption([LAND, LAND], stream=True)
+
+
+def test_blocking_twin_gives_the_same_results(tiny_ckpt, md):
+    with Moondream.load(tiny_ckpt, pipelined=False, max_batch_size=2) as slow:
+        assert not slow.engine.pipelined
+        for call in (lambda m: m.caption([LAND, LAND], "long", settings=GREEDY),
+                     lambda m: m.detect(LAND, "w3", settings={"max_objects": 3}),
+                     lambda m: m.query(LAND, "w9", settings={"temperature": 1.0, "seed": 4,
+                                                             "max_tokens": 9})):
+            assert call(slow) == call(md)

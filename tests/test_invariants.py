@@ -12,7 +12,9 @@ import pytest
 from photon_jax import config as C
 from photon_jax import step, text
 from photon_jax.params import init_params
-from photon_jax.sampling import sample
+from photon_jax import sampling
+
+sample = jax.jit(sampling.sample)   # as the engine runs it (eager lax.cond recompiles)
 
 PREFIX = 730
 
