@@ -20,18 +20,24 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32"])
     args = ap.parse_args(argv)
     from photon_jax import Moondream
+    from photon_jax.api import BatchError
 
     t0 = time.perf_counter()
-    md = Moondream.load(args.checkpoint, dtype=args.dtype)
     settings = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    failed = 0
-    for path in args.images:
+    with Moondream.load(args.checkpoint, dtype=args.dtype) as md:
+        # One list call: every image runs in the same continuous batch.
         try:
-            cap = md.caption(path, args.length, settings=settings)["caption"]
-            print(json.dumps({"path": path, "caption": cap}), flush=True)
-        except ValueError as e:
+            outs, errors = md.caption(args.images, args.length, settings=settings), None
+        except BatchError as e:
+            outs, errors = e.results, e.errors
+    failed = 0
+    for i, path in enumerate(args.images):
+        if errors and errors[i] is not None:
             failed += 1
-            print(json.dumps({"path": path, "caption": None, "error": str(e)}), flush=True)
+            print(json.dumps({"path": path, "caption": None, "error": str(errors[i])}),
+                  flush=True)
+        else:
+            print(json.dumps({"path": path, "caption": outs[i]["caption"]}), flush=True)
     print(f"{len(args.images)} image(s), {failed} failed, {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     return 1 if failed else 0

@@ -14,12 +14,14 @@ from __future__ import annotations
 import os
 
 import jax
+from tqdm.auto import tqdm
 
 from . import reference
 from .engine import Engine, Request
 from .model import Model
 from .reference import EncodedImage
 from .settings import parse
+from .tokenizer import spatial_refs_prompt
 
 
 class BatchError(RuntimeError):
@@ -94,46 +96,67 @@ class Moondream:
         return reference.encode_image(self._m, image)
 
     def caption(self, image, length: str = "normal", *, stream: bool = False,
-                settings: dict | None = None):
+                settings: dict | None = None, progress: bool = False):
         s = parse(settings)
         prompt = self._m.prompts.caption(length)  # validates `length` before any work
-        return self._run("caption", image, _Shared([None]), stream,
+        return self._run(image, _Shared([None]), stream, progress,
                          lambda img, _: Request("text", prompt, img, s),
-                         lambda r: {"caption": r["text"]})
+                         lambda r: {"caption": r["text"]}, key="caption")
 
-    def query(self, image=None, question: str | list | None = None, *, stream: bool = False,
-              settings: dict | None = None):
+    def query(self, image=None, question: str | list | None = None, *, reasoning: bool = False,
+              spatial_refs: list | None = None, stream: bool = False,
+              settings: dict | None = None, progress: bool = False):
+        """Answer a question about an image (or, with image=None, a text-only question).
+
+        reasoning: Moondream 2's grounded reasoning first; the result gains
+        "reasoning": {"text", "grounding": [{"start_idx", "end_idx", "points"}]}.
+        spatial_refs: points [x, y] and boxes [x_min, y_min, x_max, y_max] (normalised) the
+        question refers to; they need an image."""
         s = parse(settings)
         m = self._m
         questions = _check_strings(question, "question", allow_empty=True)
+        spatial, region = ((), None)
+        if spatial_refs is not None:
+            spatial, region = spatial_refs_prompt(spatial_refs, m.cfg.tokenizer)
 
         def request(img, q):
+            prompt = m.prompts.query(q, spatial=spatial, reasoning=reasoning)
             if img is None:
+                if region:
+                    raise ValueError("spatial_refs need an image")
                 # Text-only query, as the reference builds it: BOS, then the prompt from
                 # position 0, purely causal.
-                return Request("text", [m.cfg.tokenizer.bos_id] + m.prompts.query(q), None, s)
-            return Request("text", m.prompts.query(q), img, s)
+                return Request("text", [m.cfg.tokenizer.bos_id] + prompt, None, s,
+                               reasoning=reasoning)
+            return Request("text", prompt, img, s, region=region, reasoning=reasoning)
 
-        return self._run("answer", image, questions, stream, request,
-                         lambda r: {"answer": r["text"]}, optional_image=True)
+        def shape(r):
+            return {"reasoning": r["reasoning"], "answer": r["text"]} if reasoning else \
+                {"answer": r["text"]}
 
-    def detect(self, image, object: str | list, *, settings: dict | None = None):
+        return self._run(image, questions, stream, progress, request, shape, key="answer",
+                         optional_image=True)
+
+    def detect(self, image, object: str | list, *, settings: dict | None = None,
+               progress: bool = False):
         s = parse(settings)
         objs = _check_strings(object, "object")
-        return self._run("objects", image, objs, False,
+        return self._run(image, objs, False, progress,
                          lambda img, o: Request("detect", self._m.prompts.detect(o), img, s),
                          lambda r: {"objects": r["objects"]})
 
-    def point(self, image, object: str | list, *, settings: dict | None = None):
+    def point(self, image, object: str | list, *, settings: dict | None = None,
+              progress: bool = False):
         s = parse(settings)
         objs = _check_strings(object, "object")
-        return self._run("points", image, objs, False,
+        return self._run(image, objs, False, progress,
                          lambda img, o: Request("point", self._m.prompts.point(o), img, s),
                          lambda r: {"points": r["objects"]})
 
     # -- plumbing -----------------------------------------------------------------------
 
-    def _run(self, key, image, args, stream, make, shape, optional_image=False):
+    def _run(self, image, args, stream, progress, make, shape, key=None,
+             optional_image=False):
         engine = self.engine
         batch = isinstance(image, list) or not isinstance(args, _Shared)
         if not batch:
@@ -142,7 +165,9 @@ class Moondream:
                                  "or an EncodedImage")
             h = engine.submit(make(image, args[0]))
             if stream:
-                return {key: h.text_stream()}
+                reasoning = h.reasoning() if h.request.reasoning else None
+                out = {key: h.text_stream()}
+                return out if reasoning is None else {"reasoning": reasoning, **out}
             return shape(h.result())
         if stream:
             raise ValueError("stream=True works on one image at a time; for a list, call "
@@ -156,6 +181,8 @@ class Moondream:
         if not optional_image and any(x is None for x in images):
             raise ValueError("image is required for every item of the list")
         handles = [engine.submit(make(img, a)) for img, a in zip(images, args)]
+        if progress:
+            _progress(handles)
         results, errors = [], []
         for h in handles:
             try:
@@ -167,6 +194,17 @@ class Moondream:
         if any(e is not None for e in errors):
             raise BatchError(results, errors)
         return results
+
+
+def _progress(handles) -> None:
+    """A tqdm bar that advances as requests finish, in whatever order they do."""
+    with tqdm(total=len(handles), unit="req") as bar:
+        pending = list(handles)
+        while pending:
+            pending[0]._done.wait(0.1)
+            left = [h for h in pending if not h.done()]
+            bar.update(len(pending) - len(left))
+            pending = left
 
 
 class _Shared(list):

@@ -65,7 +65,9 @@ class Request:
     prompt: list
     image: Any = None
     settings: Settings = field(default_factory=Settings)
-    ignore_eos: bool = False   # benchmarks: decode a fixed number of tokens
+    region: list | None = None  # (v0, v1) per coord / size token of the prompt (spatial refs)
+    reasoning: bool = False     # text: MD2 grounded reasoning before the answer
+    ignore_eos: bool = False    # benchmarks: decode a fixed number of tokens
 
 
 class Handle:
@@ -76,6 +78,8 @@ class Handle:
         self.id = None
         self._done = threading.Event()
         self._result = self._error = None
+        self._reasoning = None
+        self._reasoned = threading.Event()
         self._texts: queue.SimpleQueue = queue.SimpleQueue()
         self.cancel_requested = False
 
@@ -88,6 +92,15 @@ class Handle:
         if self._error is not None:
             raise self._error
         return self._result
+
+    def reasoning(self, timeout: float | None = None) -> dict | None:
+        """The reasoning of a reasoning query, as soon as its phase ended (before the answer
+        is generated); None if the request ended before reasoning finished."""
+        if not self._reasoned.wait(timeout):
+            raise TimeoutError(f"reasoning not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._reasoning
 
     def cancel(self) -> None:
         """Stop generating; the result (finish_reason "cancelled") arrives once the engine
@@ -118,10 +131,17 @@ class Handle:
     def _put_text(self, piece: str) -> None:
         self._texts.put(piece)
 
+    def _set_reasoning(self, reasoning: dict) -> None:
+        self._reasoning = reasoning
+        self._reasoned.set()
+
     def _finish(self, result=None, error: BaseException | None = None) -> None:
         if self._done.is_set():
             return
         self._result, self._error = result, error
+        if self._reasoning is None and result is not None:
+            self._reasoning = result.get("reasoning")
+        self._reasoned.set()
         self._done.set()
         self._texts.put(_END)
 
@@ -134,6 +154,7 @@ class _Seq:
         self.id = next(self._ids)
         self.handle, self.req = handle, handle.request
         self.prefix, self.prompt_end, self.skill = prefix, prompt_end, skill
+        self.kinds = self.values = None   # per prompt position, when spatial refs are given
         self.prep = None          # Future of a PreparedImage while preprocessing
         self.image = None         # EncodedImage / PreparedImage / None once ready
         self.ready = False
@@ -241,6 +262,11 @@ class Engine:
                 f"context of {self.max_context} tokens; shorten the question")
         seq = _Seq(h, base, p_end, self._new_skill(req, h, p_end))
         h.id = seq.id
+        if req.region:
+            if req.image is None:
+                raise RequestError("spatial refs need an image")
+            seq.kinds, seq.values = reference.region_inputs(req.prompt, req.region,
+                                                            cfg.tokenizer)
         img = req.image
         if img is None or isinstance(img, (EncodedImage, PreparedImage)):
             seq.image, seq.ready = img, True
@@ -400,10 +426,15 @@ class Engine:
         tok = self.cfg.tokenizer
         common = dict(prompt_end=prompt_end, max_context=self.max_context,
                       eos_id=tok.eos_id, ignore_eos=req.ignore_eos)
+        text = dict(max_tokens=req.settings.max_tokens, decode=self.model.prompts.decode,
+                    on_text=h._put_text, repeat_stop=req.settings.repeat_stop, **common)
+        if req.skill == "text" and req.reasoning:
+            return skills.ReasoningSkill(
+                answer_id=tok.answer_id, coord_id=tok.coord_id,
+                chunk_ids=(tok.start_ground_points_id, tok.end_ground_id),
+                on_reasoning=h._set_reasoning, **text)
         if req.skill == "text":
-            return skills.TextSkill(max_tokens=req.settings.max_tokens,
-                                    decode=self.model.prompts.decode,
-                                    on_text=h._put_text, **common)
+            return skills.TextSkill(**text)
         return skills.PointsSkill(with_size=req.skill == "detect",
                                   max_objects=req.settings.max_objects, **common)
 
@@ -416,12 +447,16 @@ class Engine:
         lens = [len(s.req.prompt) for s in batch]
         tb = step_mod.prompt_bucket(max(lens))
         ids = np.zeros((rb, tb), _I32)
+        kinds = np.zeros((rb, tb), _I32)
+        values = np.zeros((rb, tb, 2), np.float32)
         meta = np.zeros((4, rb), _I32)
         for i, s in enumerate(batch):
             self.waiting.remove(s)
             s.row = self.free_rows.pop()
             self.running.append(s)
             ids[i, :lens[i]] = s.req.prompt
+            if s.kinds is not None:
+                kinds[i, :lens[i]], values[i, :lens[i]] = s.kinds, s.values
             meta[:, i] = (s.row, starts[i], starts[i], lens[i] - 1)
         kv_len = step_mod.kv_bucket(max(starts) + tb, self.max_context)
         with hostsync.sync_free():
@@ -435,7 +470,8 @@ class Engine:
                 s.image = None   # the prefix now lives in the row; drop the buffers
             meta_d = put(meta)
             self.kv, self.slots[slot] = P.prefill_slot(params, self.kv, self.slots[slot],
-                                                       put(ids), meta_d, kv_len)
+                                                       put(kinds), put(ids), put(values),
+                                                       meta_d, kv_len)
         for s in batch:
             s.length, s.n_tokens, s.inflight_refs = s.prompt_end, 1, 1
         st = _Step("prefill", slot, batch, [0] * n, meta_d)
@@ -473,8 +509,16 @@ class Engine:
         t0 = time.perf_counter()
         st = self.pipe.launch
         rb = st.meta.shape[1]
-        samp = np.zeros((step_mod.S_ALLOW + 1, rb), _I32)
-        samp[step_mod.S_ALLOW] = -1
+        allowed = [None if s.finalized else s.skill.allowed(i)
+                   for s, i in zip(st.seqs, st.index)]
+        # The general path: per-row allowed ids, -1 padded to a power-of-two width (1 when
+        # no row restricts), so the common step keeps one compiled shape.
+        width = step_mod.row_bucket(max((len(a) for a in allowed if a), default=1), 1 << 20)
+        samp = np.zeros((step_mod.S_ALLOW + width, rb), _I32)
+        samp[step_mod.S_ALLOW:] = -1
+        for i, a in enumerate(allowed):
+            if a:
+                samp[step_mod.S_ALLOW:step_mod.S_ALLOW + len(a), i] = a
         temps = np.zeros(rb, np.float32)
         top_ps = np.ones(rb, np.float32)
         for i, s in enumerate(st.seqs):

@@ -9,6 +9,7 @@ patch grid.  Everything here is numpy/PIL; nothing touches the device.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from dataclasses import dataclass
@@ -29,19 +30,21 @@ class ImageError(ValueError):
 
 
 def load_image(image) -> Image.Image:
-    """A path, PIL image or HxWx{1,3,4} uint8 array -> RGB PIL image (EXIF rotation honoured)."""
+    """An image file (path or encoded bytes), a PIL image or an HxWx{1,3,4} uint8 array -> RGB
+    PIL image.
+
+    Files and bytes are decoded here: EXIF rotation applied, first frame of an animation,
+    16-bit grey scaled to 8 bits, any other mode converted with `convert("RGB")` (alpha
+    dropped, as the reference does), and images above MAX_PIXELS refused before decoding.
+    PIL images and arrays given directly are only converted to RGB."""
     if isinstance(image, (str, os.PathLike)):
         path = os.fspath(image)
         try:
-            with Image.open(path) as im:
-                im.seek(0)  # animated: first frame
-                im = ImageOps.exif_transpose(im)
-                im.load()
-                return _to_rgb(im, repr(path))
+            return _decode(path, repr(path))
         except FileNotFoundError:
             raise ImageError(f"image file not found: {path!r}") from None
-        except (OSError, Image.DecompressionBombError, SyntaxError, ValueError) as e:
-            raise ImageError(f"cannot read image {path!r}: {e}") from None
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return _decode(io.BytesIO(bytes(image)), f"the {len(image)}-byte image")
     if isinstance(image, Image.Image):
         return _to_rgb(image, "the PIL image")
     if isinstance(image, np.ndarray):
@@ -58,16 +61,42 @@ def load_image(image) -> Image.Image:
         return _to_rgb(Image.fromarray(np.ascontiguousarray(a)), "the numpy image")
     raise ImageError(
         f"unsupported image type {type(image).__name__}; pass a PIL image, an HxWx3 uint8 "
-        "numpy array or a file path"
+        "numpy array, a file path or the file's bytes"
     )
 
 
-def _to_rgb(im: Image.Image, what: str) -> Image.Image:
+def _decode(src, what: str) -> Image.Image:
+    try:
+        with Image.open(src) as im:
+            _check_size(im, what)   # before decoding: a huge file costs nothing
+            im.seek(0)  # animated: first frame
+            im = ImageOps.exif_transpose(im)
+            im.load()
+            if im.mode in ("I;16", "I;16B", "I;16L", "I"):
+                # 16-bit grey: scale to 8 bits (convert("RGB") would clip at 255).
+                a = np.asarray(im).astype(np.float64)
+                hi = 65535.0 if a.max(initial=0) > 255 else 255.0
+                im = Image.fromarray(np.round(a * (255.0 / hi)).clip(0, 255).astype(np.uint8))
+            return _to_rgb(im, what)
+    except FileNotFoundError:
+        raise
+    except (OSError, Image.DecompressionBombError, SyntaxError, ValueError) as e:
+        if isinstance(e, ImageError):
+            raise
+        raise ImageError(f"cannot read image {what}: {e}") from None
+
+
+def _check_size(im: Image.Image, what: str) -> None:
     w, h = im.size
     if w < 1 or h < 1:
         raise ImageError(f"{what} is empty ({w}x{h})")
     if w * h > MAX_PIXELS:
-        raise ImageError(f"{what} is too large ({w}x{h}); downscale it below {MAX_PIXELS} pixels")
+        raise ImageError(f"{what} is too large ({w}x{h} = {w * h} pixels); downscale it below "
+                         f"{MAX_PIXELS} pixels")
+
+
+def _to_rgb(im: Image.Image, what: str) -> Image.Image:
+    _check_size(im, what)
     return im if im.mode == "RGB" else im.convert("RGB")
 
 

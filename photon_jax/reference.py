@@ -22,6 +22,7 @@ import numpy as np
 from . import image as image_mod
 from .model import Model
 from .settings import Settings
+from .skills import reasoning_result
 from .step import KIND_COORD, KIND_SIZE, KIND_TOKEN, kv_bucket, prompt_bucket
 from .streaming import TextStreamer
 from .text import init_cache
@@ -104,7 +105,8 @@ class _Session:
     def max_context(self):
         return self.cfg.text.max_context
 
-    def prefill(self, ids: list[int]):
+    def prefill(self, ids: list[int], region=None):
+        """`region`: values (v0, v1) of the prompt's coord / size tokens (spatial refs)."""
         t = len(ids)
         if self.pos + t > self.max_context:
             raise ContextOverflow(
@@ -115,7 +117,11 @@ class _Session:
         padded = np.zeros((1, tb), _I32)
         padded[0, :t] = ids
         pos = (self.pos + np.arange(tb, dtype=_I32))[None]
-        emb = self.P.embed_prompt(self.m.params, padded)
+        kinds = np.zeros((1, tb), _I32)
+        values = np.zeros((1, tb, 2), np.float32)
+        if region:
+            kinds[0, :t], values[0, :t] = region_inputs(ids, region, self.cfg.tokenizer)
+        emb = self.P.embed_prompt(self.m.params, kinds, padded, values)
         self.cache, hid, last, lg = self.P.prefill(
             self.m.params, self.cache, emb, pos, self.rows, self.prefix_R,
             np.full(1, t - 1, _I32), kv_bucket(self.pos + tb, self.max_context))
@@ -134,23 +140,91 @@ class _Session:
         return h, lg
 
 
+def region_inputs(ids: list[int], region, tok_cfg):
+    """Per prompt position: kind (token / coord / size) and value, for spatial refs (the
+    reference replaces the embeddings of the prompt's coord and size tokens)."""
+    kinds = np.zeros(len(ids), _I32)
+    values = np.zeros((len(ids), 2), np.float32)
+    slots = [i for i, t in enumerate(ids) if t in (tok_cfg.coord_id, tok_cfg.size_id)]
+    if len(slots) != len(region):
+        raise ValueError(f"{len(region)} spatial values for {len(slots)} coord/size tokens")
+    for i, v in zip(slots, region):
+        kinds[i] = KIND_COORD if ids[i] == tok_cfg.coord_id else KIND_SIZE
+        values[i] = v
+    return kinds, values
+
+
+class _Sampler:
+    """The reference's sampling of one request: token i uses key (seed, i)."""
+
+    def __init__(self, model: Model, s: Settings):
+        self.P = model.programs
+        self.samp = (np.full(1, s.temperature, np.float32), np.full(1, s.top_p, np.float32),
+                     np.full(1, s.seed, _I32))
+
+    def __call__(self, lg, ban: list[int], index: int) -> int:
+        b = np.array([ban or [-1]], _I32)
+        return int(self.P.sample(lg, b, *self.samp, np.full(1, index, _I32))[0])
+
+
+def _reason(model: Model, sess: _Session, h, lg, s: Settings, sample: _Sampler):
+    """MD2 grounded reasoning, as the reference runs it: sample until the answer id (or
+    max_tokens), EOS and size banned after the first token; a coord token is fed as the
+    coordinate its hidden state decodes to, and pairs of them ground the current chunk (7 and
+    9 open new chunks).  Then the answer id is fed.  Returns (logits, index of the next
+    token, {"text", "grounding"}, finish_reason or None)."""
+    tok = model.cfg.tokenizer
+    chunks, coords = [[]], [[]]
+    i, finish = 0, None
+    nxt = sample(lg, [], 0)
+    while nxt != tok.answer_id and i < s.max_tokens:
+        if nxt in (tok.start_ground_points_id, tok.end_ground_id):
+            chunks.append([])
+            coords.append([])
+        chunks[-1].append(nxt)
+        cv = None
+        if nxt == tok.coord_id:
+            cv = float(model.programs.region_heads(model.params, h)[1][0])
+            coords[-1].append(cv)
+        if not sess.room():
+            finish = "length"
+            break
+        if cv is not None:
+            h, lg = sess.decode(KIND_COORD, value=(cv, 0.0))
+        else:
+            h, lg = sess.decode(KIND_TOKEN, nxt)
+        i += 1
+        nxt = sample(lg, [tok.eos_id, tok.size_id], i)
+    if finish is None:
+        # The answer id ends the reasoning (sampled, or in place of the token past
+        # max_tokens) and is fed like a one-token prompt.
+        if sess.room():
+            h, lg = sess.decode(KIND_TOKEN, tok.answer_id)
+        else:
+            finish = "length"
+    return lg, i + 1, reasoning_result(model.prompts.decode, chunks, coords), finish
+
+
 def iter_text(model: Model, enc: EncodedImage | None, prompt: list[int], s: Settings,
-              trace: dict | None = None):
+              trace: dict | None = None, region=None, reasoning: bool = False):
     """Caption / query answer as a generator of flushed text pieces (the reference's streaming
-    rules).  Its return value (StopIteration.value) is {"text", "ids", "finish_reason"}."""
-    cfg, P = model.cfg, model.programs
+    rules).  Its return value (StopIteration.value) is {"text", "ids", "finish_reason"} and,
+    with `reasoning`, "reasoning": {"text", "grounding"} (computed before the first piece)."""
+    cfg = model.cfg
     tok_cfg = cfg.tokenizer
     sess = _Session(model, enc)
-    hid, _, lg = sess.prefill(prompt)
+    hid, last, lg = sess.prefill(prompt, region)
+    sample = _Sampler(model, s)
     if trace is not None:
         trace["prefill_logits"] = lg[0]
-    no_ban = np.full((1, 1), -1, _I32)
-    ban_answer = np.full((1, 1), tok_cfg.answer_id, _I32)
-    samp = (np.full(1, s.temperature, np.float32), np.full(1, s.top_p, np.float32),
-            np.full(1, s.seed, _I32))
+    extra, index0 = {}, 0
+    if reasoning:
+        lg, index0, extra["reasoning"], finish = _reason(model, sess, last, lg, s, sample)
+        if finish is not None:
+            return {"text": "", "ids": [], "finish_reason": finish, **extra}
     streamer = TextStreamer(model.prompts.decode)
     pieces, ids, steps = [], [], []
-    nxt = int(P.sample(lg, no_ban, *samp, np.zeros(1, _I32))[0])
+    nxt = sample(lg, [], index0)
     finish = "length"
     while True:
         if nxt == tok_cfg.eos_id:
@@ -171,20 +245,20 @@ def iter_text(model: Model, enc: EncodedImage | None, prompt: list[int], s: Sett
             break
         h, lg = sess.decode(KIND_TOKEN, nxt)
         steps.append(h[0])
-        nxt = int(P.sample(lg, ban_answer, *samp, np.full(1, len(ids), _I32))[0])
+        nxt = sample(lg, [tok_cfg.answer_id], index0 + len(ids))
     tail = streamer.flush()
     if tail:
         pieces.append(tail)
         yield tail
     if trace is not None:
         trace.update(prefill_hidden=hid, step_hidden=jnp.stack(steps) if steps else None)
-    return {"text": "".join(pieces), "ids": ids, "finish_reason": finish}
+    return {"text": "".join(pieces), "ids": ids, "finish_reason": finish, **extra}
 
 
 def generate_text(model: Model, enc: EncodedImage | None, prompt: list[int], s: Settings,
-                  trace: dict | None = None) -> dict:
-    """iter_text run to completion: {"text", "ids", "finish_reason"}."""
-    gen = iter_text(model, enc, prompt, s, trace)
+                  trace: dict | None = None, region=None, reasoning: bool = False) -> dict:
+    """iter_text run to completion: {"text", "ids", "finish_reason"[, "reasoning"]}."""
+    gen = iter_text(model, enc, prompt, s, trace, region, reasoning)
     while True:
         try:
             next(gen)

@@ -12,7 +12,7 @@ DEFAULT_MAX_TOKENS = 768
 DEFAULT_MAX_OBJECTS = 50
 DEFAULT_SEED = 0
 
-KNOWN = ("temperature", "top_p", "max_tokens", "max_objects", "seed")
+KNOWN = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "repeat_stop")
 
 
 class SettingsError(ValueError):
@@ -26,6 +26,9 @@ class Settings:
     max_tokens: int = DEFAULT_MAX_TOKENS
     max_objects: int = DEFAULT_MAX_OBJECTS
     seed: int = DEFAULT_SEED
+    # Off by default: end a text generation once its tail is one n-gram (n <= 16) repeated
+    # this many times in a row (finish_reason "repeat"); for captions that loop.
+    repeat_stop: int | None = None
 
 
 def _int(name, v, lo):
@@ -72,6 +75,8 @@ def parse(settings: dict | None) -> Settings:
         out["max_tokens"] = _int("max_tokens", s["max_tokens"], 1)
     if "max_objects" in s:
         out["max_objects"] = _int("max_objects", s["max_objects"], 1)
+    if s.get("repeat_stop") not in (None, False, 0):
+        out["repeat_stop"] = _int("repeat_stop", s["repeat_stop"], 2)
     if "seed" in s:
         out["seed"] = _int("seed", s["seed"], 0) % (2**31)
     return Settings(**out)

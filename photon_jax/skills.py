@@ -12,8 +12,15 @@ Semantics are the Moondream 2 reference's (normative, see `reference.py`):
   steps are forced.  A new object starts only while fewer than `max_objects` exist and the
   context has room for a whole object.
 
-Every stopping rule except EOS depends only on the token index, so the engine predicts it at
-dispatch (`feedable`) and a capped request never rides an extra step as a zombie.
+- query with reasoning (MD2 grounded reasoning): reasoning tokens until the answer id, the
+  first free, the rest with EOS and size banned; a coord id there is fed as the coordinate
+  its hidden state decodes to, and pairs of them ground the current chunk (ids 7 and 9 open
+  new chunks).  The answer id is fed, then the answer is generated as plain text.  At
+  `max_tokens` reasoning tokens the answer id is forced (the per-row allowed-set path).
+
+Every stopping rule except EOS (and `repeat_stop`) depends only on the token index and the
+committed tokens before it, so the engine predicts it at dispatch (`feedable`) and a capped
+request never rides an extra step as a zombie.
 
 Constraint ids index the small device table built in `step.py`.
 """
@@ -30,16 +37,33 @@ BAN_ANSWER = 1    # the answer id is banned
 SPATIAL_X = 2     # full-vocabulary argmax; EOS stays EOS, anything else becomes coord_id
 FORCE_COORD = 3   # always coord_id
 FORCE_SIZE = 4    # always size_id
-N_CONSTRAINTS = 5
+REASON_FIRST = 5  # reasoning, first token: free, but a coord id carries a coordinate
+REASON = 6        # reasoning: EOS and size banned, a coord id carries a coordinate
+N_CONSTRAINTS = 7
+
+
+MAX_REPEAT_NGRAM = 16
+
+
+def repeats(ids: list[int], times: int) -> bool:
+    """Does `ids` end with some n-gram (n <= MAX_REPEAT_NGRAM) repeated `times` times?"""
+    for n in range(1, MAX_REPEAT_NGRAM + 1):
+        if n * times > len(ids):
+            break
+        tail = ids[-n:]
+        if all(ids[-(k + 1) * n: len(ids) - k * n] == tail for k in range(1, times)):
+            return True
+    return False
 
 
 class TextSkill:
     spatial = False
 
     def __init__(self, *, max_tokens: int, prompt_end: int, max_context: int, eos_id: int,
-                 decode: Callable, on_text: Callable | None = None, ignore_eos: bool = False):
+                 decode: Callable, on_text: Callable | None = None, ignore_eos: bool = False,
+                 repeat_stop: int | None = None):
         self.max_tokens, self.prompt_end, self.max_context = max_tokens, prompt_end, max_context
-        self.eos_id, self.ignore_eos = eos_id, ignore_eos
+        self.eos_id, self.ignore_eos, self.repeat_stop = eos_id, ignore_eos, repeat_stop
         self.on_text = on_text
         self.streamer = TextStreamer(decode)
         self.ids: list[int] = []
@@ -48,6 +72,9 @@ class TextSkill:
 
     def constraint(self, index: int) -> int:
         return FREE if index == 0 else BAN_ANSWER
+
+    def allowed(self, index: int) -> list[int] | None:
+        return None
 
     def feedable(self, index: int) -> bool:
         """May token `index` be fed back to produce token index + 1 (unless it is EOS)?"""
@@ -60,6 +87,8 @@ class TextSkill:
             return "stop"
         self.ids.append(token)
         self._emit(self.streamer.push(token))
+        if self.repeat_stop and repeats(self.ids, self.repeat_stop):
+            return "repeat"
         return None if self.feedable(i) else "length"
 
     def _emit(self, piece: str) -> None:
@@ -72,6 +101,84 @@ class TextSkill:
         self._emit(self.streamer.flush())
         return {"text": "".join(self.pieces), "ids": list(self.ids),
                 "finish_reason": finish_reason, "output_tokens": self.count}
+
+
+def reasoning_result(decode, chunks, coords) -> dict:
+    """{"text", "grounding"} of MD2 reasoning: each chunk's text, and for chunks with at least
+    two coordinates their (x, y) pairs and the chunk's character range in the text."""
+    texts = [decode(c) for c in chunks]
+    grounding, start = [], 0
+    for text, cs in zip(texts, coords):
+        if len(cs) > 1:
+            pts = [(cs[k], cs[k + 1]) for k in range(0, len(cs) - len(cs) % 2, 2)]
+            grounding.append({"start_idx": start, "end_idx": start + len(text), "points": pts})
+        start += len(text)
+    return {"text": "".join(texts), "grounding": grounding}
+
+
+class ReasoningSkill:
+    """A query with grounded reasoning: a reasoning phase, then a `TextSkill` answer."""
+    spatial = False
+
+    def __init__(self, *, max_tokens: int, prompt_end: int, max_context: int, eos_id: int,
+                 answer_id: int, coord_id: int, chunk_ids: tuple, decode: Callable,
+                 on_text: Callable | None = None, on_reasoning: Callable | None = None,
+                 ignore_eos: bool = False, repeat_stop: int | None = None):
+        self.max_tokens, self.prompt_end, self.max_context = max_tokens, prompt_end, max_context
+        self.answer_id, self.coord_id, self.chunk_ids = answer_id, coord_id, chunk_ids
+        self.decode, self.on_reasoning = decode, on_reasoning
+        self._answer_args = dict(max_tokens=max_tokens, max_context=max_context, eos_id=eos_id,
+                                 decode=decode, on_text=on_text, ignore_eos=ignore_eos,
+                                 repeat_stop=repeat_stop)
+        self.chunks: list[list[int]] = [[]]
+        self.coords: list[list[float]] = [[]]
+        self.answer: TextSkill | None = None
+        self.start = 0      # index of the first answer token
+        self.count = 0
+
+    def constraint(self, index: int) -> int:
+        if self.answer is not None:
+            return self.answer.constraint(index - self.start)
+        return REASON_FIRST if index == 0 else REASON
+
+    def allowed(self, index: int) -> list[int] | None:
+        if self.answer is None and index >= self.max_tokens:
+            return [self.answer_id]   # the reasoning budget is spent: the answer id comes next
+        return None
+
+    def feedable(self, index: int) -> bool:
+        if self.answer is not None and index >= self.start:
+            return self.answer.feedable(index - self.start)
+        return self.prompt_end + index + 1 <= self.max_context
+
+    def consume(self, token: int, value) -> str | None:
+        i = self.count
+        self.count += 1
+        if self.answer is not None:
+            return self.answer.consume(token, value)
+        if token == self.answer_id:
+            self.start = i + 1
+            self.answer = TextSkill(prompt_end=self.prompt_end + self.start, **self._answer_args)
+            if self.on_reasoning is not None:
+                self.on_reasoning(self.reasoning())
+        else:
+            if token in self.chunk_ids:
+                self.chunks.append([])
+                self.coords.append([])
+            self.chunks[-1].append(token)
+            if token == self.coord_id:
+                self.coords[-1].append(float(value[0]))
+        return None if self.feedable(i) else "length"
+
+    def reasoning(self) -> dict:
+        return reasoning_result(self.decode, self.chunks, self.coords)
+
+    def result(self, finish_reason: str) -> dict:
+        if self.answer is None:
+            out = {"text": "", "ids": [], "finish_reason": finish_reason}
+        else:
+            out = self.answer.result(finish_reason)
+        return {**out, "reasoning": self.reasoning(), "output_tokens": self.count}
 
 
 class PointsSkill:
@@ -89,6 +196,9 @@ class PointsSkill:
 
     def constraint(self, index: int) -> int:
         return (SPATIAL_X, FORCE_COORD, FORCE_SIZE)[index % self.per_object]
+
+    def allowed(self, index: int) -> list[int] | None:
+        return None
 
     def _may_start_object(self, index: int) -> bool:
         return (index // self.per_object < self.max_objects

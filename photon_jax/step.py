@@ -62,10 +62,11 @@ class Pending:
 class Tables:
     """The constraint table: one row per constraint id of `skills`, indexed by one int per
     row and step, so a step uploads R ints instead of an [R, V] mask."""
-    ban: jax.Array       # [M, V] bool: True = logit set to -inf
-    remap: jax.Array     # [M] int32: sampled ids become this id (-1 = keep)
-    keep_eos: jax.Array  # [M] bool: ...except EOS, which stays EOS
-    spatial: jax.Array   # [M] bool: coord/size ids carry region values
+    ban: jax.Array        # [M, V] bool: True = logit set to -inf
+    remap: jax.Array      # [M] int32: sampled ids become this id (-1 = keep)
+    keep_eos: jax.Array   # [M] bool: ...except EOS, which stays EOS
+    coord_kind: jax.Array  # [M] bool: a sampled coord id carries a coordinate value
+    size_kind: jax.Array   # [M] bool: a sampled size id carries a (w, h) value
 
 
 def make_tables(cfg: MoondreamConfig) -> dict:
@@ -74,14 +75,18 @@ def make_tables(cfg: MoondreamConfig) -> dict:
     m = skills.N_CONSTRAINTS
     ban = np.zeros((m, v), bool)
     ban[skills.BAN_ANSWER, t.answer_id] = True
+    ban[skills.REASON, [t.eos_id, t.size_id]] = True
     remap = np.full(m, -1, np.int32)
     remap[[skills.SPATIAL_X, skills.FORCE_COORD]] = t.coord_id
     remap[skills.FORCE_SIZE] = t.size_id
     keep_eos = np.zeros(m, bool)
     keep_eos[skills.SPATIAL_X] = True
-    spatial = np.zeros(m, bool)
-    spatial[[skills.SPATIAL_X, skills.FORCE_COORD, skills.FORCE_SIZE]] = True
-    return dict(ban=ban, remap=remap, keep_eos=keep_eos, spatial=spatial)
+    coord_kind = np.zeros(m, bool)
+    coord_kind[[skills.SPATIAL_X, skills.FORCE_COORD, skills.REASON_FIRST, skills.REASON]] = True
+    size_kind = np.zeros(m, bool)
+    size_kind[skills.FORCE_SIZE] = True
+    return dict(ban=ban, remap=remap, keep_eos=keep_eos, coord_kind=coord_kind,
+                size_kind=size_kind)
 
 
 def init_slot(cfg: MoondreamConfig, rows: int) -> Slot:
@@ -95,13 +100,14 @@ def init_pending(rows: int) -> Pending:
                    jnp.zeros((rows, 2), F32))
 
 
-def input_embeddings(params, cfg: MoondreamConfig, kind_R, token_R, value_R2):
-    """[R, D] embeddings of one input per row: a token, a coordinate, or a (w, h) size."""
+def input_embeddings(params, cfg: MoondreamConfig, kind, token, value):
+    """[..., D] embeddings of inputs: a token, a coordinate, or a (w, h) size each (any
+    leading shape: decode rows, or prompt positions with spatial refs)."""
     dt = jnp_dtype(cfg.dtype)
-    tok = text.embed_tokens(params["text"], token_R).astype(dt)
-    coord = region.encode_coordinate(params["region"], value_R2[:, 0], dt)
-    size = region.encode_size(params["region"], value_R2, dt)
-    k = kind_R[:, None]
+    tok = text.embed_tokens(params["text"], token).astype(dt)
+    coord = region.encode_coordinate(params["region"], value[..., 0], dt)
+    size = region.encode_size(params["region"], value, dt)
+    k = kind[..., None]
     return jnp.where(k == KIND_COORD, coord, jnp.where(k == KIND_SIZE, size, tok))
 
 
@@ -141,12 +147,14 @@ def _into_slot(slot: Slot, h_RD, logits_RV) -> Slot:
                         hidden=slot.hidden.at[: h_RD.shape[0]].set(h_RD.astype(slot.hidden.dtype)))
 
 
-def _prefill_slot(params, cache, slot: Slot, ids_RT, meta_FR, kv_len, *, cfg):
+def _prefill_slot(params, cache, slot: Slot, kinds_RT, ids_RT, values_RT2, meta_FR, kv_len, *,
+                  cfg):
     """Prompt prefill for R rows starting at per-row positions (after an image prefix, or 0
-    for text-only prompts); the last real position's logits and hidden go into the slot."""
+    for text-only prompts); the last real position's logits and hidden go into the slot.
+    Prompt positions of kind coord / size (spatial refs) embed their values."""
     t = ids_RT.shape[1]
     pos = meta_FR[M_POS][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    emb = _embed_prompt(params, ids_RT, cfg=cfg)
+    emb = input_embeddings(params, cfg, kinds_RT, ids_RT, values_RT2)
     cache, _, last, lg = _prefill(params, cache, emb, pos, meta_FR[M_ROW], meta_FR[M_PREFIX],
                                   meta_FR[M_LAST], kv_len, cfg=cfg)
     return cache, _into_slot(slot, last, lg)
@@ -173,9 +181,9 @@ def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, meta_FR, 
     remap = tables.remap[cons]
     keep = tables.keep_eos[cons] & (tok == tok_cfg.eos_id)
     tok = jnp.where((remap >= 0) & ~keep, remap, tok)
-    spatial = tables.spatial[cons]
-    kind = jnp.where(spatial & (tok == tok_cfg.coord_id), KIND_COORD,
-                     jnp.where(spatial & (tok == tok_cfg.size_id), KIND_SIZE, KIND_TOKEN))
+    is_coord = tables.coord_kind[cons] & (tok == tok_cfg.coord_id)
+    is_size = tables.size_kind[cons] & (tok == tok_cfg.size_id)
+    kind = jnp.where(is_coord, KIND_COORD, jnp.where(is_size, KIND_SIZE, KIND_TOKEN))
 
     def values(_):
         _, cval, _, sval = _region_heads(params, slot.hidden[:r], cfg=cfg)
@@ -183,7 +191,8 @@ def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, meta_FR, 
 
     zeros = jnp.zeros((r, 2), F32)
     # Text-only steps skip the region MLPs on the device.
-    coord, size = jax.lax.cond(jnp.any(spatial), values, lambda _: (zeros, zeros), None)
+    coord, size = jax.lax.cond(jnp.any(is_coord | is_size), values, lambda _: (zeros, zeros),
+                               None)
     k = kind[:, None]
     value = jnp.where(k == KIND_COORD, coord, jnp.where(k == KIND_SIZE, size, zeros))
     out = jnp.concatenate([tok[:, None], jax.lax.bitcast_convert_type(value, jnp.int32)], -1)
@@ -207,8 +216,8 @@ def _ceiling(params, cache, slot, pending, tables, meta_FR, samp_FR, n_steps, kv
     return jax.lax.fori_loop(0, n_steps, body, (cache, slot, pending))
 
 
-def _embed_prompt(params, ids_RT, *, cfg):
-    return text.embed_tokens(params["text"], ids_RT).astype(jnp_dtype(cfg.dtype))
+def _embed_prompt(params, kinds_RT, ids_RT, values_RT2, *, cfg):
+    return input_embeddings(params, cfg, kinds_RT, ids_RT, values_RT2)
 
 
 def _image_prefix(params, img_emb_PD, *, cfg):
@@ -279,7 +288,7 @@ def build(cfg: MoondreamConfig) -> Programs:
         sample=jax.jit(sampling.sample),
         write_prefix=jax.jit(_write_prefix, donate_argnums=(0,)),
         forward=jax.jit(partial(_forward, **c), static_argnums=(5,), donate_argnums=(1, 2)),
-        prefill_slot=jax.jit(partial(_prefill_slot, **c), static_argnums=(5,),
+        prefill_slot=jax.jit(partial(_prefill_slot, **c), static_argnums=(7,),
                              donate_argnums=(1, 2)),
         sample_step=jax.jit(partial(_sample_step, **c), donate_argnums=(1, 2)),
         ceiling=jax.jit(partial(_ceiling, **c), static_argnums=(8,), donate_argnums=(1, 2, 3)),

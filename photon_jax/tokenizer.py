@@ -58,6 +58,31 @@ def load_tokenizer(path: str) -> Tokenizer:
     return tok
 
 
+def spatial_refs_prompt(refs, cfg: TokenizerConfig):
+    """Spatial refs -> (prompt ids, region values), as the reference encodes them: a point
+    (x, y) is two coord tokens; a box (x_min, y_min, x_max, y_max) is its centre as two coord
+    tokens and its (width, height) as a size token.  Values must be finite, in [0, 1]."""
+    if not isinstance(refs, (list, tuple)) or not refs:
+        raise ValueError("spatial_refs must be a non-empty list of points [x, y] or boxes "
+                         "[x_min, y_min, x_max, y_max]")
+    ids, values = [], []
+    for n, ref in enumerate(refs):
+        ok = isinstance(ref, (list, tuple)) and len(ref) in (2, 4) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
+            for v in ref)
+        if not ok:
+            raise ValueError(f"spatial_refs[{n}] = {ref!r}: expected [x, y] or [x_min, y_min, "
+                             "x_max, y_max] with values in [0, 1] (normalised coordinates)")
+        if len(ref) == 2:
+            ids += [cfg.coord_id, cfg.coord_id]
+            values += [(float(ref[0]), 0.0), (float(ref[1]), 0.0)]
+        else:
+            x0, y0, x1, y1 = map(float, ref)
+            ids += [cfg.coord_id, cfg.coord_id, cfg.size_id]
+            values += [((x0 + x1) / 2, 0.0), ((y0 + y1) / 2, 0.0), (x1 - x0, y1 - y0)]
+    return ids, values
+
+
 class Prompts:
     """Token-id prompts of the reference (MD2 2025-06-21), including its quirks: the doubled
     answer id after a query, and the leading space before a detect/point object."""
@@ -77,9 +102,13 @@ class Prompts:
             raise ValueError(f"caption length must be 'short', 'normal' or 'long', got {length!r}")
         return list(getattr(self.cfg, f"caption_{length}"))
 
-    def query(self, question: str) -> list[int]:
+    def query(self, question: str, *, spatial: tuple = (), reasoning: bool = False) -> list[int]:
+        """The reference's query prompt: the suffix, then the suffix again (answer) or the
+        thinking id (reasoning).  `spatial`: the coord / size ids of the spatial refs."""
         c = self.cfg
-        return list(c.query_prefix) + self.encode(question) + list(c.query_suffix) * 2
+        opener = [c.thinking_id] if reasoning else list(c.query_suffix)
+        return (list(c.query_prefix) + list(spatial) + self.encode(question)
+                + list(c.query_suffix) + opener)
 
     def detect(self, obj: str) -> list[int]:
         c = self.cfg
