@@ -45,3 +45,19 @@ def tiny_ckpt_bf16(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt") / "tiny-bf16"
     convert(FIXTURE_DIR, str(out), dtype="bfloat16", log=lambda s: None)
     return str(out)
+
+
+def biased_model(ckpt: str, biases: dict):
+    """The checkpoint's model with `biases` ({token id: value}) added to the LM head's bias:
+    random weights rarely emit EOS, coordinates or grounding ids on their own."""
+    import jax
+
+    from photon_jax.model import Model
+
+    base = Model.load(ckpt)
+    params = jax.tree.map(lambda x: x, base.params)
+    head = dict(params["text"]["lm_head"])
+    for tok, val in biases.items():
+        head["b"] = head["b"].at[tok].add(val)
+    params["text"] = {**params["text"], "lm_head": head}
+    return Model(base.cfg, params, base.prompts.tok, device=base.device)

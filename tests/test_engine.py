@@ -21,7 +21,7 @@ from photon_jax.model import Model
 from photon_jax.settings import Settings
 from photon_jax.text import KVCache
 
-from conftest import FIXTURE_DIR
+from conftest import FIXTURE_DIR, biased_model
 
 IMAGES = [os.path.join(FIXTURE_DIR, f) for f in ("img_land800x600.png", "img_sq378.png")]
 EOS_BIAS = 0.8
@@ -29,12 +29,7 @@ EOS_BIAS = 0.8
 
 @pytest.fixture(scope="module")
 def model(tiny_ckpt):
-    base = Model.load(tiny_ckpt)
-    params = jax.tree.map(lambda x: x, base.params)
-    head = dict(params["text"]["lm_head"])
-    head["b"] = head["b"].at[base.cfg.tokenizer.eos_id].add(EOS_BIAS)
-    params["text"] = {**params["text"], "lm_head": head}
-    return Model(base.cfg, params, base.prompts.tok, device=base.device)
+    return biased_model(tiny_ckpt, {0: EOS_BIAS})
 
 
 @pytest.fixture(scope="module")
