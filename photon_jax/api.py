@@ -114,7 +114,7 @@ class Moondream:
         question refers to; they need an image."""
         s = parse(settings)
         m = self._m
-        questions = _check_strings(question, "question", allow_empty=True)
+        questions = _check_strings(question, "question")
         spatial, region = ((), None)
         if spatial_refs is not None:
             spatial, region = spatial_refs_prompt(spatial_refs, m.cfg.tokenizer)
@@ -211,11 +211,9 @@ class _Shared(list):
     """One question/object shared by every image of a call."""
 
 
-def _check_strings(x, name: str, allow_empty: bool = False) -> list:
+def _check_strings(x, name: str) -> list:
     items = x if isinstance(x, list) else [x]
     for v in items:
-        if not isinstance(v, str) or (not allow_empty and not v.strip()):
-            raise ValueError(f"{name} must be a non-empty string (or a list of them), got "
-                             f"{v!r}" if not allow_empty else
-                             f"{name} must be a string (or a list of them), got {v!r}")
+        if not isinstance(v, str) or not v.strip():
+            raise ValueError(f"{name} must be a non-empty string (or a list of them), got {v!r}")
     return items if isinstance(x, list) else _Shared(items)

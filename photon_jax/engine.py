@@ -183,7 +183,8 @@ class Engine:
     def __init__(self, model: Model, *, max_batch_size: int = 32, max_context: int | None = None,
                  pipelined: bool = True, prefill_tokens: int = 2048, workers: int = 2,
                  log_steps: int = 100_000, record_events: bool = False,
-                 warmup: bool = False):
+                 warmup: bool = False, prefill_drains: bool = False,
+                 host_work_ms: float = 0.0):
         cfg = model.cfg
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
@@ -218,6 +219,9 @@ class Engine:
         self.failure: BaseException | None = None
         self.alive = True
         self._warmup = warmup
+        # Benchmark knobs: drain the pipeline before each prefill (Photon's older rule), and
+        # burn this much host time per commit (to chart the gain against the host's share).
+        self.prefill_drains, self.host_work_s = prefill_drains, host_work_ms / 1e3
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="photon-prep")
         self._thread = threading.Thread(target=self._loop, name="photon-scheduler", daemon=True)
         self._thread.start()
@@ -391,6 +395,8 @@ class Engine:
         slot = self.pipe.free_slot()
         decode = self._eligible()
         batch = self._plan_prefill(bool(decode))
+        if batch and self.prefill_drains and not self.pipe.idle():
+            return False   # let the steps in flight commit first
         if batch:
             self._launch_prefill(batch, slot)
         elif decode:
@@ -523,6 +529,7 @@ class Engine:
         top_ps = np.ones(rb, np.float32)
         for i, s in enumerate(st.seqs):
             if s.finalized:   # a zombie: sampled unconstrained and greedy, result discarded
+                self.counters["zombie_rows"] += 1
                 continue
             idx = st.index[i]
             if s.skill.count != idx:
@@ -574,6 +581,10 @@ class Engine:
             if reason is not None:
                 self._finalize_seq(s, reason)
             self.counters["tokens"] += 1
+        if self.host_work_s:
+            end = t1 + self.host_work_s
+            while time.perf_counter() < end:
+                pass
         self.pipe.on_step_completed()
         t2 = time.perf_counter()
         self.counters[st.kind] += 1

@@ -80,7 +80,10 @@ def _decode(src, what: str) -> Image.Image:
             return _to_rgb(im, what)
     except FileNotFoundError:
         raise
-    except (OSError, Image.DecompressionBombError, SyntaxError, ValueError) as e:
+    except Image.DecompressionBombError as e:   # PIL's own check fired first, at open
+        raise ImageError(f"{what} is too large ({e}); downscale it below {MAX_PIXELS} "
+                         "pixels") from None
+    except (OSError, SyntaxError, ValueError) as e:
         if isinstance(e, ImageError):
             raise
         raise ImageError(f"cannot read image {what}: {e}") from None

@@ -246,3 +246,36 @@ def test_blocking_twin_gives_the_same_results(tiny_ckpt, md):
                      lambda m: m.query(LAND, "w9", settings={"temperature": 1.0, "seed": 4,
                                                              "max_tokens": 9})):
             assert call(slow) == call(md)
+
+
+def test_more_bad_inputs_fail_only_their_call(md, tmp_path):
+    with pytest.raises(ValueError, match="question must be a non-empty string"):
+        md.query(LAND, "  ")
+    # A 20000 x 20000 PNG: only its header is read before it is refused.
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(
+            ">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    huge = tmp_path / "huge.png"
+    huge.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 20000, 20000,
+                                                                     8, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(b"\x00" * 100)) + chunk(b"IEND", b""))
+    with pytest.raises(ImageError, match="too large"):
+        md.caption(str(huge))
+    for mode in ("CMYK", "P", "RGBA", "I;16"):
+        im = Image.new(mode, (40, 30))
+        assert isinstance(md.caption(im if mode != "I;16" else np.asarray(
+            load_image(_png_bytes(im))), "short", settings=GREEDY)["caption"], str)
+    assert md.caption(LAND, "short", settings=GREEDY) == md.caption(
+        LAND, "short", settings=GREEDY)   # the engine kept serving after all of that
+
+
+def _png_bytes(im):
+    import io
+
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
