@@ -1,25 +1,42 @@
 """How big is the GPU bubble, and how much of it does the pipelined engine hide?
 
-For each (mode, batch) this prints one JSON line with decode tokens/s of
+For each (config, mode, batch) this prints one JSON line ("kind": "loops") with decode
+tokens/s of
   - the blocking loop   (the engine with pipelined=False: launch, sample, wait, commit),
   - the pipelined loop  (the engine: commit t while forward t+1 runs),
   - the ceiling         (the same forward + sample step iterated inside one jitted
                          `lax.fori_loop`: the device alone, no host work at all),
 over the same fixed number of decode steps with EOS ignored, plus the measured parts of a
-step: `forward_ms` and `sample_ms` (each program alone, synchronised) and `host_ms` (the
-pipelined engine's host time per step in commit + finalize/plan + launch/dispatch, not
-counting the wait for the device).
+step: `forward_ms` and `sample_ms` (each program alone, synchronised, averaged over the
+attended-length buckets the run goes through) and `host_ms` (the engine's host time per
+decode step in commit + finalize/plan + launch/dispatch, not counting the wait for the
+device), and the cost model:
+  predicted blocking step  = launch + max(forward, finalize) + sample + commit
+  predicted pipelined step = max(forward + sample, launch + finalize + commit)
+(launch, finalize, commit: the host's parts; in the blocking loop the host builds the
+constraint and dispatches sample while the forward runs, the rest is serial)
+next to the measured steps (`*_step_ms`, `*_model_err`).
+
+Further lines (full run, or the flags):
+  "host_work"  pinned and default, batch 8: both loops with 0, 0.5, 1, 2 ms of synthetic host
+               work per step; the parent writes bench/results/pipeline.json and, with
+               matplotlib, bench/results/pipeline_gain.png (gain vs host share);
+  "zombies"    batch 1 and 32, three waves of requests with sampled output lengths (tiny
+               model, EOS calibrated to a mean of about 60 tokens): the share of computed
+               rows that belonged to finished sequences;
+  "busy"       the device's busy fraction in each loop, from a `jax.profiler` trace.
 
 Modes, each in its own subprocess (pinning must happen before JAX starts its threads):
   default  XLA and the host share every core;
   pinned   XLA's threads on core 0 and the Python host on core 1: the CPU stands in for an
            accelerator that runs beside the host (DESIGN.md section 7).
 
-Config "small": text width 512, 4 layers, 8 heads, vocab 32768, context 1024, prompts of
-746 tokens (BOS + 745 ids, the length of an image prompt), random float32 weights, greedy.
+Configs: "small" (text width 512, 4 layers, 8 heads, vocab 32768, context 1024), "tiny" (the
+fixture's shapes), "md2" (full-size Moondream 2 in bf16, for GPUs: see gpu_md2.py); random
+weights; prompts of 746 positions (an image prefix of 730 + 16 prompt tokens); greedy.
 
-    python bench/pipeline.py            # batch 8 and 32, both modes
-    python bench/pipeline.py --quick    # batch 8, 64 steps, both modes (~2 minutes)
+    python bench/pipeline.py            # everything below, about 5 minutes on 2 cores
+    python bench/pipeline.py --quick    # small config, batch 8, both modes (~1 minute)
 """
 
 from __future__ import annotations
@@ -35,7 +52,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TOKENIZER = os.path.join(ROOT, "tests", "fixtures", "moondream2-tiny", "tokenizer.json")
-PROMPT_LEN = 746
+RESULTS = os.path.join(HERE, "results")
+PROMPT_TOKENS = 16
 # XLA's CPU runtime allocates each execution's temporaries with malloc.  glibc gives each
 # thread its own arena and hands freed memory of big blocks back to the OS, so every execution
 # pays page faults and zeroing for its temporaries (measured: ~33k faults, ~30% of a batch-32
@@ -65,10 +83,16 @@ def tiny_config():
     return tiny()
 
 
-CONFIGS = {"small": small_config, "tiny": tiny_config}
+def md2_config():
+    from photon_jax.config import moondream2
+
+    return moondream2("bfloat16")
 
 
-def build_model(name: str):
+CONFIGS = {"small": small_config, "tiny": tiny_config, "md2": md2_config}
+
+
+def build_model(name: str, eos_bias: float = 0.0):
     import jax
 
     from photon_jax.model import Model
@@ -77,43 +101,59 @@ def build_model(name: str):
 
     cfg = CONFIGS[name]()
     params = init_params(jax.random.PRNGKey(0), cfg)
+    if eos_bias:
+        head = params["text"]["lm_head"]
+        head["b"] = head["b"].at[cfg.tokenizer.eos_id].add(eos_bias)
     return Model(cfg, params, load_tokenizer(TOKENIZER))
 
 
-def requests(model, batch: int, steps: int):
+def prefix(model):
+    """A random image prefix (BOS + 729 image positions): prompts start at 730 without
+    paying for a 730-token prefill per run."""
+    import jax
+    import numpy as np
+
+    from photon_jax.reference import EncodedImage
+
+    t = model.cfg.text
+    shape = (t.n_layers, model.cfg.prefix_len, t.n_kv_heads, t.head_dim)
+    rng = np.random.default_rng(1)
+    kv = [jax.device_put(rng.normal(size=shape).astype(np.float32)).astype(model.cfg.dtype)
+          for _ in range(2)]
+    return EncodedImage(kv[0], kv[1], (1, 1))
+
+
+def requests(model, enc, batch: int, steps: int, settings=None, ignore_eos=True):
     import numpy as np
 
     from photon_jax.engine import Request
     from photon_jax.settings import Settings
 
     rng = np.random.default_rng(0)
-    s = Settings(temperature=0.0, max_tokens=steps + 1)   # token 0 comes from the prefill
-    out = []
-    for _ in range(batch):
-        ids = [model.cfg.tokenizer.bos_id] + rng.integers(10, 30000, PROMPT_LEN - 1).tolist()
-        out.append(Request("text", ids, None, s, ignore_eos=True))
-    return out
+    s = settings or Settings(temperature=0.0, max_tokens=steps + 1)   # token 0: the prefill
+    return [Request("text", rng.integers(10, 30000, PROMPT_TOKENS).tolist(), enc, s,
+                    ignore_eos=ignore_eos) for _ in range(batch)]
 
 
-def engine_run(model, batch: int, steps: int, pipelined: bool):
-    """-> (decode tokens/s, host ms per decode step)."""
+def engine_run(model, enc, batch: int, steps: int, pipelined: bool, host_work_ms=0.0):
+    """-> (decode tokens/s, host ms per decode step, its parts in ms)."""
     from photon_jax.engine import Engine
 
-    eng = Engine(model, max_batch_size=batch, pipelined=pipelined,
-                 prefill_tokens=batch * PROMPT_LEN)
+    eng = Engine(model, max_batch_size=batch, pipelined=pipelined, host_work_ms=host_work_ms,
+                 prefill_tokens=batch * model.cfg.text.max_context)
     try:
-        for h in [eng.submit(r) for r in requests(model, batch, steps)]:
+        for h in eng.submit_many(requests(model, enc, batch, steps)):
             h.result(timeout=3600)
         log = [s for s in eng.step_log() if s["kind"] == "decode"]
     finally:
         eng.close()
     assert len(log) == steps and all(s["rows"] == batch for s in log), "unexpected schedule"
     # From the first decode commit to the last: in the pipelined loop the first decode step
-    # is launched while the (long) prefill still runs, so its launch time would count
-    # prefill work as decode time.
+    # is launched while the prefill still runs, which is not decode time.
     wall = log[-1]["t_end"] - log[0]["t_end"]
-    host = sum(s["launch_s"] + s["finalize_s"] + s["commit_s"] for s in log) / len(log)
-    return batch * (steps - 1) / wall, host * 1e3
+    parts = {k: 1e3 * sum(s[k] for s in log) / len(log) for k in ("launch_s", "finalize_s",
+                                                                   "commit_s")}
+    return batch * (steps - 1) / wall, sum(parts.values()), parts
 
 
 def device_state(model, batch: int):
@@ -130,7 +170,8 @@ def device_state(model, batch: int):
     tables = step_mod.Tables(**jax.device_put(step_mod.make_tables(cfg)))
     meta = np.zeros((4, batch), np.int32)
     meta[0] = np.arange(1, batch + 1)
-    meta[1] = PROMPT_LEN
+    meta[1] = start(model)
+    meta[2] = model.cfg.prefix_len
     samp = np.zeros((step_mod.S_ALLOW + 1, batch), np.int32)
     samp[step_mod.S_CONSTRAINT] = skills.BAN_ANSWER
     samp[step_mod.S_INDEX] = 1
@@ -139,15 +180,20 @@ def device_state(model, batch: int):
     return kv, slot, pending, tables, meta, samp
 
 
-def segments(steps: int, ctx: int):
+def start(model) -> int:
+    return model.cfg.prefix_len + PROMPT_TOKENS
+
+
+def segments(model, steps: int):
     """(first position, n steps, attended length) runs of equal KV bucket, as the engine
-    would schedule them."""
+    schedules them."""
     from photon_jax.step import kv_bucket
 
-    out, pos = [], PROMPT_LEN
-    while pos < PROMPT_LEN + steps:
+    ctx, first = model.cfg.text.max_context, start(model)
+    out, pos = [], first
+    while pos < first + steps:
         b = kv_bucket(pos + 1, ctx)
-        n = min(PROMPT_LEN + steps, b) - pos
+        n = min(first + steps, b) - pos
         out.append((pos, n, b))
         pos += n
     return out
@@ -159,14 +205,13 @@ def ceiling_run(model, batch: int, steps: int) -> float:
 
     P = model.programs
     kv, slot, pending, tables, meta, samp = device_state(model, batch)
-    segs = segments(steps, model.cfg.text.max_context)
 
     def once(kv, slot, pending):
-        for pos, n, b in segs:
+        for pos, n, b in segments(model, steps):
             m = meta.copy()
             m[1] = pos
             s = samp.copy()
-            s[1] = pos - PROMPT_LEN + 1
+            s[1] = pos - start(model) + 1
             kv, slot, pending = P.ceiling(model.params, kv, slot, pending, tables,
                                           jax.device_put(m), jax.device_put(s),
                                           jax.device_put(np.int32(n)), b)
@@ -179,66 +224,182 @@ def ceiling_run(model, batch: int, steps: int) -> float:
     return batch * steps / (time.perf_counter() - t0)
 
 
-def component_times(model, batch: int, reps: int = 20):
-    """forward and sample alone (each call synchronised), ms, at the decode's first bucket."""
+def component_times(model, batch: int, steps: int, reps: int = 5):
+    """forward and sample alone (each call synchronised), ms per step, weighted over the
+    attended-length buckets of a run of `steps` steps."""
     import jax
 
     P = model.programs
     kv, slot, pending, tables, meta, samp = device_state(model, batch)
     meta_d, samp_d = jax.device_put(meta), jax.device_put(samp)
-    kv_len = segments(1, model.cfg.text.max_context)[0][2]
-    res = {}
-    for name in ("forward", "sample"):
-        for i in range(reps + 3):
-            if i == 3:
+    fwd = smp = 0.0
+    for _, n, kv_len in segments(model, steps):
+        for i in range(reps + 2):
+            if i == 2:
                 t0 = time.perf_counter()
-            if name == "forward":
-                kv, slot = P.forward(model.params, kv, slot, pending, meta_d, kv_len)
-                jax.block_until_ready(slot)
-            else:
-                slot, pending = P.sample_step(model.params, slot, pending, tables, meta_d,
-                                              samp_d)
-                jax.block_until_ready(pending)
-        res[name] = (time.perf_counter() - t0) / reps * 1e3
-    return res["forward"], res["sample"]
+            kv, slot = P.forward(model.params, kv, slot, pending, meta_d, kv_len)
+            jax.block_until_ready(slot)
+        fwd += (time.perf_counter() - t0) / reps * n
+    for i in range(reps + 2):
+        if i == 2:
+            t0 = time.perf_counter()
+        slot, pending = P.sample_step(model.params, slot, pending, tables, meta_d, samp_d)
+        jax.block_until_ready(pending)
+    smp = (time.perf_counter() - t0) / reps
+    return fwd / steps * 1e3, smp * 1e3
 
 
 def median(xs):
     return sorted(xs)[len(xs) // 2]
 
 
-def measure(config: str, batch: int, steps: int, mode: str, reps: int) -> dict:
-    model = build_model(config)
-    # Warm-up compiles every shape the loops use; the timed runs compile nothing.
-    for pipelined in (False, True):
-        engine_run(model, batch, steps, pipelined)
-    # The three loops are timed side by side, `reps` times interleaved, and the median of
-    # each is reported, so slow drifts of a shared machine hit all three alike.
-    runs = {"blocking": [], "pipelined": [], "ceiling": [], "host": []}
-    for _ in range(reps):
-        tok_s, _ = engine_run(model, batch, steps, False)
-        runs["blocking"].append(tok_s)
-        tok_s, host_ms = engine_run(model, batch, steps, True)
-        runs["pipelined"].append(tok_s)
-        runs["host"].append(host_ms)
-        runs["ceiling"].append(ceiling_run(model, batch, steps))
-    blocking, pipelined, ceiling = (median(runs[k]) for k in ("blocking", "pipelined",
-                                                              "ceiling"))
-    fwd, smp = component_times(model, batch)
+def env_info() -> dict:
     import jax
 
+    return {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
+            "cpus": os.cpu_count(), "machine": platform.machine(),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def measure(model, config: str, batch: int, steps: int, mode: str, reps: int) -> dict:
+    enc = prefix(model)
+    # Warm-up compiles every shape the loops use; the timed runs compile nothing.
+    for pipelined in (False, True):
+        engine_run(model, enc, batch, steps, pipelined)
+    # The three loops are timed side by side, `reps` times interleaved, and the median of
+    # each is reported, so slow drifts of a shared machine hit all three alike.
+    runs = {k: [] for k in ("blocking", "pipelined", "ceiling", "host_p", "parts_b")}
+    for _ in range(reps):
+        tok_s, _, parts = engine_run(model, enc, batch, steps, False)
+        runs["blocking"].append(tok_s)
+        runs["parts_b"].append(parts)
+        tok_s, host, _ = engine_run(model, enc, batch, steps, True)
+        runs["pipelined"].append(tok_s)
+        runs["host_p"].append(host)
+        runs["ceiling"].append(ceiling_run(model, batch, steps))
+    b, p, c, hp = (median(runs[k]) for k in ("blocking", "pipelined", "ceiling", "host_p"))
+    pb = {k: median([x[k] for x in runs["parts_b"]]) for k in runs["parts_b"][0]}
+    hb = sum(pb.values())
+    fwd, smp = component_times(model, batch, steps)
+    b_ms, p_ms = 1e3 * batch / b, 1e3 * batch / p
+    # Blocking: the host plans and dispatches (launch), the device runs forward while the
+    # host builds the constraint and dispatches sample (finalize), then sample, then the host
+    # commits.  Pipelined: the host's whole tick hides behind the device's step.
+    pred_b = pb["launch_s"] + max(fwd, pb["finalize_s"]) + smp + pb["commit_s"]
+    pred_p = max(fwd + smp, hp)
+    r = lambda x: round(x, 3)  # noqa: E731
     return {
-        "config": config, "batch": batch, "mode": mode, "steps": steps,
-        "blocking_tok_s": round(blocking, 1), "pipelined_tok_s": round(pipelined, 1),
-        "ceiling_tok_s": round(ceiling, 1), "host_ms": round(median(runs["host"]), 3),
-        "forward_ms": round(fwd, 3), "sample_ms": round(smp, 3),
-        "pipelined_over_blocking": round(pipelined / blocking, 3),
-        "pipelined_over_ceiling": round(pipelined / ceiling, 3),
-        "blocking_over_ceiling": round(blocking / ceiling, 3),
-        "reps": reps, "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-        "cpus": os.cpu_count(), "machine": platform.machine(),
-        "date": time.strftime("%Y-%m-%d"),
+        "kind": "loops", "config": config, "batch": batch, "mode": mode, "steps": steps,
+        "blocking_tok_s": round(b, 1), "pipelined_tok_s": round(p, 1),
+        "ceiling_tok_s": round(c, 1), "host_ms": r(hp), "host_blocking_ms": r(hb),
+        "forward_ms": r(fwd), "sample_ms": r(smp),
+        "pipelined_over_blocking": r(p / b), "pipelined_over_ceiling": r(p / c),
+        "blocking_over_ceiling": r(b / c),
+        "blocking_step_ms": r(b_ms), "pipelined_step_ms": r(p_ms),
+        "predicted_blocking_ms": r(pred_b), "predicted_pipelined_ms": r(pred_p),
+        "blocking_model_err": r(pred_b / b_ms - 1), "pipelined_model_err": r(pred_p / p_ms - 1),
+        "reps": reps, **env_info(),
     }
+
+
+def host_work(model, config, batch, steps, mode, reps, work_ms) -> list[dict]:
+    enc = prefix(model)
+    for pipelined in (False, True):   # compile first
+        engine_run(model, enc, batch, steps, pipelined)
+    out = []
+    for w in work_ms:
+        res = {"blocking": [], "pipelined": [], "host": []}
+        for _ in range(reps):
+            res["blocking"].append(engine_run(model, enc, batch, steps, False, w)[0])
+            tok_s, host, _ = engine_run(model, enc, batch, steps, True, w)
+            res["pipelined"].append(tok_s)
+            res["host"].append(host)
+        b, p, h = (median(res[k]) for k in ("blocking", "pipelined", "host"))
+        step = 1e3 * batch / b
+        out.append({"kind": "host_work", "config": config, "batch": batch, "mode": mode,
+                    "steps": steps, "host_work_ms": w, "host_ms": round(h, 3),
+                    "host_share": round(h / step, 3), "blocking_tok_s": round(b, 1),
+                    "pipelined_tok_s": round(p, 1), "pipelined_over_blocking": round(p / b, 3),
+                    **env_info()})
+    return out
+
+
+def zombies(config: str, batch: int, mode: str, mean_len: int = 60) -> dict:
+    """Sampled lengths: EOS's bias is set so that a token is EOS with probability about
+    1/mean_len under the model's own logits (T = 1); every EOS finish rides one extra step."""
+    import numpy as np
+
+    from photon_jax.engine import Engine
+    from photon_jax.settings import Settings
+
+    from photon_jax import reference
+
+    model = build_model(config)
+    enc = prefix(model)
+    # Calibrate on one prefill: p(EOS) = e^(l0 + b) / (e^(l0 + b) + sum_{j>0} e^l_j).
+    trace = {}
+    reference.generate_text(model, enc, requests(model, enc, 1, 1)[0].prompt,
+                            Settings(temperature=0, max_tokens=1), trace=trace)
+    lg = np.array(trace["prefill_logits"], np.float64)
+    top = lg.max()
+    rest = np.log(np.exp(lg - top).sum() - np.exp(lg[0] - top)) + top
+    model = build_model(config, eos_bias=float(rest - np.log(mean_len - 1) - lg[0]))
+    eng = Engine(model, max_batch_size=batch)
+    try:
+        reqs = []
+        for k in range(3):   # three waves of `batch` requests
+            s = Settings(temperature=1.0, top_p=1.0, max_tokens=4 * mean_len, seed=k)
+            reqs += requests(model, enc, batch, 0, settings=s, ignore_eos=False)
+        lens = [len(h.result(timeout=3600)["ids"]) for h in eng.submit_many(reqs)]
+        zombie = eng.counters["zombie_rows"]
+        rows = sum(x["rows"] for x in eng.step_log() if x["kind"] == "decode")
+    finally:
+        eng.close()
+    return {"kind": "zombies", "config": config, "batch": batch, "mode": mode,
+            "requests": len(lens), "mean_output_tokens": round(float(np.mean(lens)), 1),
+            "decode_rows": rows, "zombie_rows": zombie,
+            "zombie_tax": round(zombie / max(rows, 1), 4), **env_info()}
+
+
+def busy(model, config: str, batch: int, steps: int, mode: str) -> dict:
+    """The device's busy fraction per loop, from a jax.profiler trace (Perfetto JSON): the
+    union of XLA executions on the executing threads over the decode window."""
+    import glob
+    import gzip
+    import tempfile
+
+    import jax
+
+    enc = prefix(model)
+    out = {"kind": "busy", "config": config, "batch": batch, "mode": mode, "steps": steps}
+    for name, pipelined in (("blocking", False), ("pipelined", True)):
+        engine_run(model, enc, batch, steps, pipelined)   # compiled already: warm
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                engine_run(model, enc, batch, steps, pipelined)
+            path = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)[0]
+            with gzip.open(path) as f:
+                events = json.load(f)["traceEvents"]
+        out[f"{name}_busy"] = _busy_fraction(events)
+    out.update(env_info())
+    return out
+
+
+def _busy_fraction(events) -> float | None:
+    """XLA's CPU runtime records each program execution as "ThunkExecutor::Execute" spans on
+    its threads; busy = their union over the span from the first to the last one (the
+    engine run: a short prefill, then the decode steps)."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("name", "").startswith("ThunkExecutor::Execute")
+                   and "dur" in e)
+    if not spans:
+        return None
+    busy_us, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy_us += b - max(a, end)
+            end = b
+    return round(busy_us / (max(b for _, b in spans) - spans[0][0]), 3)
 
 
 def child(args) -> None:
@@ -254,36 +415,97 @@ def child(args) -> None:
 
         jax.block_until_ready(jnp.ones(8) + 1)
         os.sched_setaffinity(0, {cores[1]})
-    for batch in args.batch:
-        print(json.dumps(measure(args.config, batch, args.steps, args.mode, args.reps)),
-              flush=True)
+    emit = lambda row: print(json.dumps(row), flush=True)  # noqa: E731
+    for config in args.config:
+        model = build_model(config)
+        for batch in args.batch:
+            emit(measure(model, config, batch, args.steps, args.mode, args.reps))
+    if args.host_work:
+        model = build_model(args.config[-1])
+        for row in host_work(model, args.config[-1], 8, args.steps, args.mode, args.reps,
+                             args.host_work):
+            emit(row)
+    if args.zombies:   # a property of the schedule, not of the model's size: the tiny model
+        for batch in (1, 32):
+            emit(zombies("tiny", batch, args.mode))
+    if args.busy:
+        emit(busy(build_model(args.config[-1]), args.config[-1], 8, args.steps, args.mode))
+
+
+def plot(rows: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in sorted({r["mode"] for r in rows}):
+        pts = sorted((r["host_share"], r["pipelined_over_blocking"]) for r in rows
+                     if r["mode"] == mode)
+        ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=mode)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("host share of a blocking step")
+    ax.set_ylabel("pipelined / blocking tokens/s")
+    ax.set_title("Pipelining gain vs host work (small config, batch 8)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small config, batch 8, both modes")
-    ap.add_argument("--config", default="small", choices=sorted(CONFIGS))
-    ap.add_argument("--batch", type=int, nargs="+", default=[8, 32])
-    ap.add_argument("--steps", type=int, default=128, help="decode steps per run")
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
+    ap.add_argument("--config", nargs="+", default=["tiny", "small"], choices=sorted(CONFIGS))
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--steps", type=int, default=48, help="decode steps per run")
+    ap.add_argument("--reps", type=int, default=2, help="timed repetitions (median)")
     ap.add_argument("--modes", nargs="+", default=["default", "pinned"],
                     choices=["default", "pinned"])
+    ap.add_argument("--host-work", type=float, nargs="*", default=None,
+                    help="synthetic host ms per step to sweep (full run: 0 0.5 1 2)")
+    ap.add_argument("--zombies", action="store_true", help="zombie tax at batch 1 and 32")
+    ap.add_argument("--busy", action="store_true", help="busy fraction from a profiler trace")
+    ap.add_argument("--out", help="write all rows (JSON) and the gain plot here "
+                    "(full run: bench/results)")
     ap.add_argument("--mode", help=argparse.SUPPRESS)   # set in the child process
     args = ap.parse_args(argv)
     if args.mode:
         child(args)
         return 0
+    full = not args.quick and argv is None and len(sys.argv) == 1
     if args.quick:
-        args.config, args.batch, args.steps, args.reps = "small", [8], 64, 2
+        args.config, args.batch = ["small"], [8]
+    if full:
+        args.host_work, args.zombies, args.busy = [0.0, 0.5, 1.0, 2.0], True, True
+        args.out = RESULTS
     env = dict(os.environ, **CPU_ALLOCATOR_ENV)
+    rows = []
     for mode in args.modes:
         cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--config",
-               args.config, "--steps", str(args.steps), "--reps", str(args.reps),
+               *args.config, "--steps", str(args.steps), "--reps", str(args.reps),
                "--batch", *map(str, args.batch)]
-        r = subprocess.run(cmd, cwd=ROOT, env=env)
+        if args.host_work:
+            cmd += ["--host-work", *map(str, args.host_work)]
+        cmd += ["--zombies"] * args.zombies + ["--busy"] * args.busy
+        r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        for line in r.stdout.splitlines():
+            print(line, flush=True)
+            if line.startswith("{"):
+                rows.append(json.loads(line))
         if r.returncode:
             return r.returncode
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "pipeline.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        work = [r for r in rows if r["kind"] == "host_work"]
+        png = os.path.join(args.out, "pipeline_gain.png")
+        if work and plot(work, png):
+            print(f"wrote {png}", file=sys.stderr)
     return 0
 
 

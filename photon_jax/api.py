@@ -180,7 +180,7 @@ class Moondream:
                              "string for all, or a list of the same length")
         if not optional_image and any(x is None for x in images):
             raise ValueError("image is required for every item of the list")
-        handles = [engine.submit(make(img, a)) for img, a in zip(images, args)]
+        handles = engine.submit_many([make(img, a) for img, a in zip(images, args)])
         if progress:
             _progress(handles)
         results, errors = [], []

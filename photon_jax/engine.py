@@ -237,20 +237,28 @@ class Engine:
     def submit(self, req: Request) -> Handle:
         """Queue a request; never blocks on the device.  A request that cannot run fails
         its own handle (the error names the input) and costs nothing else."""
-        h = Handle(self, req)
+        return self.submit_many([req])[0]
+
+    def submit_many(self, reqs: list[Request]) -> list[Handle]:
+        """Queue several requests at once: the scheduler sees them together, so they can
+        share their prefill launches and every decode step."""
         if not self.alive or self._closing:
             raise EngineError("the engine is closed" if self.failure is None else
                               f"the engine stopped after an error: {self.failure}")
-        try:
-            seq = self._admit(h)
-        except (RequestError, ValueError, TypeError) as e:
-            h._finish(error=e)
-            return h
-        self._inbox.put(seq)
+        handles, seqs = [], []
+        for req in reqs:
+            h = Handle(self, req)
+            handles.append(h)
+            try:
+                seqs.append(self._admit(h))
+            except (RequestError, ValueError, TypeError) as e:
+                h._finish(error=e)
+        self._inbox.put(seqs)
         self._wake.set()
         if not self.alive:   # the scheduler exited between the check above and the put
-            h._finish(error=EngineError("the engine is closed"))
-        return h
+            for h in handles:
+                h._finish(error=EngineError("the engine is closed"))
+        return handles
 
     def _admit(self, h: Handle) -> _Seq:
         req, cfg = h.request, self.cfg
@@ -351,7 +359,7 @@ class Engine:
     def _take_inbox(self) -> None:
         while True:
             try:
-                self.waiting.append(self._inbox.get_nowait())
+                self.waiting.extend(self._inbox.get_nowait())
             except queue.Empty:
                 return
 
