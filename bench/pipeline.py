@@ -18,8 +18,8 @@ constraint and dispatches sample while the forward runs, the rest is serial)
 next to the measured steps (`*_step_ms`, `*_model_err`).
 
 Further lines (full run, or the flags):
-  "host_work"  pinned and default, batch 8: both loops with 0, 0.5, 1, 2 ms of synthetic host
-               work per step; the parent writes bench/results/pipeline.json and, with
+  "host_work"  pinned and default, batch 8: both loops with 0, 4, 8, 16, 32 ms of synthetic
+               host work per step; the parent writes bench/results/pipeline.json and, with
                matplotlib, bench/results/pipeline_gain.png (gain vs host share);
   "zombies"    batch 1 and 32, three waves of requests with sampled output lengths (tiny
                model, EOS calibrated to a mean of about 60 tokens): the share of computed
@@ -144,9 +144,9 @@ def engine_run(model, enc, batch: int, steps: int, pipelined: bool, host_work_ms
     try:
         for h in eng.submit_many(requests(model, enc, batch, steps)):
             h.result(timeout=3600)
-        log = [s for s in eng.step_log() if s["kind"] == "decode"]
     finally:
-        eng.close()
+        eng.close()   # joins the scheduler: the last commit's log entry is written by then
+    log = [s for s in eng.step_log() if s["kind"] == "decode"]
     assert len(log) == steps and all(s["rows"] == batch for s in log), "unexpected schedule"
     # From the first decode commit to the last: in the pipelined loop the first decode step
     # is launched while the prefill still runs, which is not decode time.
@@ -351,10 +351,10 @@ def zombies(config: str, batch: int, mode: str, mean_len: int = 60) -> dict:
             s = Settings(temperature=1.0, top_p=1.0, max_tokens=4 * mean_len, seed=k)
             reqs += requests(model, enc, batch, 0, settings=s, ignore_eos=False)
         lens = [len(h.result(timeout=3600)["ids"]) for h in eng.submit_many(reqs)]
-        zombie = eng.counters["zombie_rows"]
-        rows = sum(x["rows"] for x in eng.step_log() if x["kind"] == "decode")
     finally:
         eng.close()
+    zombie = eng.counters["zombie_rows"]
+    rows = sum(x["rows"] for x in eng.step_log() if x["kind"] == "decode")
     return {"kind": "zombies", "config": config, "batch": batch, "mode": mode,
             "requests": len(lens), "mean_output_tokens": round(float(np.mean(lens)), 1),
             "decode_rows": rows, "zombie_rows": zombie,
@@ -466,7 +466,7 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=["default", "pinned"],
                     choices=["default", "pinned"])
     ap.add_argument("--host-work", type=float, nargs="*", default=None,
-                    help="synthetic host ms per step to sweep (full run: 0 0.5 1 2)")
+                    help="synthetic host ms per step to sweep (full run: 0 4 8 16 32)")
     ap.add_argument("--zombies", action="store_true", help="zombie tax at batch 1 and 32")
     ap.add_argument("--busy", action="store_true", help="busy fraction from a profiler trace")
     ap.add_argument("--out", help="write all rows (JSON) and the gain plot here "
@@ -480,7 +480,9 @@ def main(argv=None) -> int:
     if args.quick:
         args.config, args.batch = ["small"], [8]
     if full:
-        args.host_work, args.zombies, args.busy = [0.0, 0.5, 1.0, 2.0], True, True
+        # A CPU step of the small config is ~35-55 ms, so the sweep goes well past the
+        # 0.5-2 ms that matter next to a GPU's few-ms step, up to a host share near 50%.
+        args.host_work, args.zombies, args.busy = [0.0, 4.0, 8.0, 16.0, 32.0], True, True
         args.out = RESULTS
     env = dict(os.environ, **CPU_ALLOCATOR_ENV)
     rows = []

@@ -301,7 +301,9 @@ class Engine:
 
     def step_log(self) -> list[dict]:
         """Per committed step: kind, rows, host seconds in launch / finalize / commit (commit
-        excludes the wait for the host copy), the wait, and the step's end time."""
+        excludes the wait for the host copy), the wait, and the step's end time.  A step is
+        logged at the end of its commit, after its results went out: read the log after
+        `close()` to be sure it holds the last step."""
         keys = ("kind", "rows", "launch_s", "finalize_s", "commit_s", "wait_s", "t0", "t_end")
         return [dict(zip(keys, r)) for r in list(self.steps_log)]
 
