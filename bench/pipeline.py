@@ -145,7 +145,7 @@ def engine_run(model, enc, batch: int, steps: int, pipelined: bool, host_work_ms
         for h in eng.submit_many(requests(model, enc, batch, steps)):
             h.result(timeout=3600)
     finally:
-        eng.close()   # joins the scheduler: the last commit's log entry is written by then
+        eng.close()
     log = [s for s in eng.step_log() if s["kind"] == "decode"]
     assert len(log) == steps and all(s["rows"] == batch for s in log), "unexpected schedule"
     # From the first decode commit to the last: in the pipelined loop the first decode step

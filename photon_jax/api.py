@@ -139,21 +139,22 @@ class Moondream:
 
     def detect(self, image, object: str | list, *, settings: dict | None = None,
                progress: bool = False):
-        s = parse(settings)
-        objs = _check_strings(object, "object")
-        return self._run(image, objs, False, progress,
-                         lambda img, o: Request("detect", self._m.prompts.detect(o), img, s),
-                         lambda r: {"objects": r["objects"]})
+        return self._locate("detect", "objects", image, object, settings, progress)
 
     def point(self, image, object: str | list, *, settings: dict | None = None,
               progress: bool = False):
-        s = parse(settings)
-        objs = _check_strings(object, "object")
-        return self._run(image, objs, False, progress,
-                         lambda img, o: Request("point", self._m.prompts.point(o), img, s),
-                         lambda r: {"points": r["objects"]})
+        return self._locate("point", "points", image, object, settings, progress)
 
     # -- plumbing -----------------------------------------------------------------------
+
+    def _locate(self, skill: str, key: str, image, obj, settings, progress):
+        """detect / point: the same request shape, differing in prompt and result key."""
+        s = parse(settings)
+        objs = _check_strings(obj, "object")
+        prompt = getattr(self._m.prompts, skill)
+        return self._run(image, objs, False, progress,
+                         lambda img, o: Request(skill, prompt(o), img, s),
+                         lambda r: {key: r["objects"]})
 
     def _run(self, image, args, stream, progress, make, shape, key=None,
              optional_image=False):

@@ -212,6 +212,9 @@ class Engine:
         # (event, request id, commit number, detail) for the zombie-accounting tests.
         self.events: list | None = [] if record_events else None
         self._commits = 0
+        # Results finished during a commit go out after its step is logged, so a caller
+        # that holds a result also finds the step that produced it in `step_log()`.
+        self._outbox: list = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._closing = False
@@ -302,8 +305,7 @@ class Engine:
     def step_log(self) -> list[dict]:
         """Per committed step: kind, rows, host seconds in launch / finalize / commit (commit
         excludes the wait for the host copy), the wait, and the step's end time.  A step is
-        logged at the end of its commit, after its results went out: read the log after
-        `close()` to be sure it holds the last step."""
+        logged before the results it finished go out."""
         keys = ("kind", "rows", "launch_s", "finalize_s", "commit_s", "wait_s", "t0", "t_end")
         return [dict(zip(keys, r)) for r in list(self.steps_log)]
 
@@ -375,6 +377,7 @@ class Engine:
         for s in list(self.running):
             if s.handle.cancel_requested and not s.finalized and s.inflight_refs == 0:
                 self._finalize_seq(s, "cancelled")
+        self._flush_outbox()
 
     def _tick(self) -> bool:
         if self.pipelined:
@@ -469,6 +472,8 @@ class Engine:
         for i, s in enumerate(batch):
             self.waiting.remove(s)
             s.row = self.free_rows.pop()
+            if self.events is not None:
+                self.events.append(("acquire", s.id, self._commits, s.row))
             self.running.append(s)
             ids[i, :lens[i]] = s.req.prompt
             if s.kinds is not None:
@@ -600,6 +605,12 @@ class Engine:
         self.counters[st.kind] += 1
         self.steps_log.append((st.kind, len(st.seqs), st.t_launch, st.t_finalize, t2 - t1,
                                t1 - t0, st.t0, t2))
+        self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        for handle, outcome in self._outbox:
+            handle._finish(*outcome)
+        self._outbox.clear()
 
     def _finalize_seq(self, s: _Seq, reason: str, error: BaseException | None = None) -> None:
         """Finalize early: the result goes out now (cancellations: at release)."""
@@ -611,9 +622,9 @@ class Engine:
             if reason == "cancelled":
                 s.outcome = (result, None)
             else:
-                s.handle._finish(result)
+                self._outbox.append((s.handle, (result, None)))
         else:
-            s.handle._finish(error=error)
+            self._outbox.append((s.handle, (None, error)))
         if s.inflight_refs == 0:
             self._release(s)
 
@@ -621,15 +632,16 @@ class Engine:
         """Release late: the row is free only when no launched step contains it."""
         assert s.inflight_refs == 0 and s.finalized
         if self.events is not None:
-            self.events.append(("release", s.id, self._commits, len(self.free_rows) + 1))
+            self.events.append(("release", s.id, self._commits, s.row))
         self.running.remove(s)
         self.free_rows.append(s.row)
         self.free_rows.sort(reverse=True)
         s.row = -1
         if s.outcome is not None:
-            s.handle._finish(*s.outcome)
+            self._outbox.append((s.handle, s.outcome))
 
     def _fail_everything(self, err: BaseException) -> None:
+        self._flush_outbox()   # results that were finished before the failure still count
         self._take_inbox()
         for s in itertools.chain(self.waiting, self.running):
             s.handle._finish(error=err if isinstance(err, EngineError) else
