@@ -42,7 +42,7 @@ class Moondream:
 
     @classmethod
     def load(cls, path, *, dtype=None, pipelined: bool = True, max_batch_size: int = 32,
-             max_context: int | None = None, device=None) -> "Moondream":
+             max_context: int | None = None, device=None, workers: int = 2) -> "Moondream":
         """Load a checkpoint directory written by `photon-convert` and start its engine.
 
         dtype: None keeps the checkpoint's dtype; "bfloat16" or "float32" casts on load.
@@ -50,11 +50,12 @@ class Moondream:
         max_batch_size: rows decoded together (the KV cache holds this many sequences).
         max_context: KV positions per sequence (None = the model's context).
         device: a `jax.Device`, a device index, or None for the default device.
+        workers: threads that decode and crop images ahead of the device.
         Nothing is downloaded: the directory holds the weights, config and tokenizer.
         """
         model = Model.load(os.fspath(path), dtype=dtype, device=device)
         return cls(model, Engine(model, max_batch_size=max_batch_size, max_context=max_context,
-                                 pipelined=pipelined))
+                                 pipelined=pipelined, workers=workers))
 
     @property
     def config(self):
@@ -97,11 +98,24 @@ class Moondream:
 
     def caption(self, image, length: str = "normal", *, stream: bool = False,
                 settings: dict | None = None, progress: bool = False):
-        s = parse(settings)
-        prompt = self._m.prompts.caption(length)  # validates `length` before any work
         return self._run(image, _Shared([None]), stream, progress,
-                         lambda img, _: Request("text", prompt, img, s),
+                         self._caption_maker(length, settings),
                          lambda r: {"caption": r["text"]}, key="caption")
+
+    def start(self, image, *, question: str | None = None, length: str = "normal",
+              settings: dict | None = None):
+        """Submit one caption (or, with `question`, one query) and return its engine
+        `Handle` at once: `result()` gives {"text", "finish_reason", "output_tokens", ...},
+        `cancel()` stops it, `add_done_callback(fn)` reports completion.  For callers that
+        keep a window of requests in flight (the captioning CLI, the Ray integration)."""
+        if question is None:
+            make = self._caption_maker(length, settings)
+        else:
+            _check_strings(question, "question")
+            make = self._query_maker(parse(settings), False, None)
+        if image is None:
+            raise ValueError("image is required")
+        return self.engine.submit(make(image, question))
 
     def query(self, image=None, question: str | list | None = None, *, reasoning: bool = False,
               spatial_refs: list | None = None, stream: bool = False,
@@ -112,9 +126,33 @@ class Moondream:
         "reasoning": {"text", "grounding": [{"start_idx", "end_idx", "points"}]}.
         spatial_refs: points [x, y] and boxes [x_min, y_min, x_max, y_max] (normalised) the
         question refers to; they need an image."""
-        s = parse(settings)
-        m = self._m
         questions = _check_strings(question, "question")
+
+        def shape(r):
+            return {"reasoning": r["reasoning"], "answer": r["text"]} if reasoning else \
+                {"answer": r["text"]}
+
+        return self._run(image, questions, stream, progress,
+                         self._query_maker(parse(settings), reasoning, spatial_refs), shape,
+                         key="answer", optional_image=True)
+
+    def detect(self, image, object: str | list, *, settings: dict | None = None,
+               progress: bool = False):
+        return self._locate("detect", "objects", image, object, settings, progress)
+
+    def point(self, image, object: str | list, *, settings: dict | None = None,
+              progress: bool = False):
+        return self._locate("point", "points", image, object, settings, progress)
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def _caption_maker(self, length: str, settings):
+        s = parse(settings)
+        prompt = self._m.prompts.caption(length)  # validates `length` before any work
+        return lambda img, _: Request("text", prompt, img, s)
+
+    def _query_maker(self, s, reasoning: bool, spatial_refs):
+        m = self._m
         spatial, region = ((), None)
         if spatial_refs is not None:
             spatial, region = spatial_refs_prompt(spatial_refs, m.cfg.tokenizer)
@@ -130,22 +168,7 @@ class Moondream:
                                reasoning=reasoning)
             return Request("text", prompt, img, s, region=region, reasoning=reasoning)
 
-        def shape(r):
-            return {"reasoning": r["reasoning"], "answer": r["text"]} if reasoning else \
-                {"answer": r["text"]}
-
-        return self._run(image, questions, stream, progress, request, shape, key="answer",
-                         optional_image=True)
-
-    def detect(self, image, object: str | list, *, settings: dict | None = None,
-               progress: bool = False):
-        return self._locate("detect", "objects", image, object, settings, progress)
-
-    def point(self, image, object: str | list, *, settings: dict | None = None,
-              progress: bool = False):
-        return self._locate("point", "points", image, object, settings, progress)
-
-    # -- plumbing -----------------------------------------------------------------------
+        return request
 
     def _locate(self, skill: str, key: str, image, obj, settings, progress):
         """detect / point: the same request shape, differing in prompt and result key."""

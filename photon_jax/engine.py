@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -82,6 +83,8 @@ class Handle:
         self._reasoned = threading.Event()
         self._texts: queue.SimpleQueue = queue.SimpleQueue()
         self.cancel_requested = False
+        self._callbacks: list = []
+        self._cb_lock = threading.Lock()
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -101,6 +104,15 @@ class Handle:
         if self._error is not None:
             raise self._error
         return self._reasoning
+
+    def add_done_callback(self, fn) -> None:
+        """Call `fn(handle)` once the request finished (at once if it already has).  It runs
+        on the scheduler thread, so it must be quick (e.g. put the handle on a queue)."""
+        with self._cb_lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def cancel(self) -> None:
         """Stop generating; the result (finish_reason "cancelled") arrives once the engine
@@ -142,8 +154,15 @@ class Handle:
         if self._reasoning is None and result is not None:
             self._reasoning = result.get("reasoning")
         self._reasoned.set()
-        self._done.set()
+        with self._cb_lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
         self._texts.put(_END)
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:   # a caller's bug must not stop the scheduler
+                logging.getLogger(__name__).exception("done callback failed")
 
 
 class _Seq:

@@ -66,6 +66,10 @@ def load_image(image) -> Image.Image:
 
 
 def _decode(src, what: str) -> Image.Image:
+    empty = src.getbuffer().nbytes == 0 if isinstance(src, io.BytesIO) else \
+        os.path.getsize(src) == 0
+    if empty:
+        raise ImageError(f"{what} is empty (0 bytes)")
     try:
         with Image.open(src) as im:
             _check_size(im, what)   # before decoding: a huge file costs nothing
@@ -80,6 +84,9 @@ def _decode(src, what: str) -> Image.Image:
             return _to_rgb(im, what)
     except FileNotFoundError:
         raise
+    except Image.UnidentifiedImageError:
+        raise ImageError(f"{what} is not an image PIL can read (unknown format, or not an "
+                         "image file)") from None
     except Image.DecompressionBombError as e:   # PIL's own check fired first, at open
         raise ImageError(f"{what} is too large ({e}); downscale it below {MAX_PIXELS} "
                          "pixels") from None

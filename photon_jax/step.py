@@ -18,7 +18,7 @@ region steps and rows of different kinds can share a step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable
 
 import jax
@@ -275,7 +275,11 @@ class Programs:
     ceiling: Callable
 
 
+@lru_cache(maxsize=16)
 def build(cfg: MoondreamConfig) -> Programs:
+    """The jitted programs of one config.  Cached per config (configs are frozen and
+    hashable), so loading the same model again -- on another device, in another engine --
+    reuses the compiled executables instead of tracing and compiling everything anew."""
     c = {"cfg": cfg}
     return Programs(
         cfg=cfg,

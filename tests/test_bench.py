@@ -49,3 +49,11 @@ def test_gpu_script_and_knobs_run_on_cpu():
     assert [r["host_work_ms"] for r in work] == [0.0, 1.0]
     z = [r for r in rows if r["kind"] == "zombies"]
     assert [r["batch"] for r in z] == [1, 32] and all(r["decode_rows"] > 0 for r in z)
+
+
+def test_caption_bench_smoke():
+    rows = run("caption.py", "--config", "tiny", "--images", "3", "--batch", "1", "2",
+               "--max-tokens", "3")
+    assert [r["batch"] for r in rows] == [1, 2]
+    assert all(r["images"] == 3 and r["images_per_s"] > 0 and r["tokens_per_s"] > 0
+               for r in rows)

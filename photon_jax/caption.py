@@ -1,0 +1,524 @@
+"""`photon-caption` (also `python -m photon_jax.caption`): caption, or ask one question about,
+every image of a dataset, into sidecar `.txt` files and/or one JSONL file.
+
+Owns: finding the images (directories, globs, list files), where each output goes (a sidecar
+next to the image or under `--output-dir`, mirroring the input tree), what counts as done on
+a re-run, crash-safe writes, the window of requests kept in flight on each engine (one engine
+per device, images dealt round-robin), progress, the failure summary and the exit code.
+
+Crash safety: a sidecar is written to a temporary file and renamed over (so it exists whole
+or not at all); the JSONL record is then appended with one `write` of one line.  A kill can
+only tear the last JSONL line; the next run cuts it off before appending.  An image whose
+sidecar exists but whose JSONL record was lost that way is captioned again, so the two
+outputs always agree and every image has exactly one successful JSONL record.
+
+Image decoding and cropping run on the engine's worker threads while the device decodes; the
+window (twice the batch size per engine) keeps prepared images queued so rows never wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import json
+import os
+import queue
+import signal
+import sys
+import time
+
+IMAGE_EXTS = frozenset(
+    ".jpg .jpeg .jpe .jfif .png .apng .webp .bmp .dib .gif .tif .tiff .ppm .pgm .pbm .pnm "
+    ".tga .ico .avif".split())
+LIST_EXTS = frozenset((".txt", ".lst", ".list"))
+SHOW_FAILURES = 20   # the end-of-run summary lists this many failures (all go to the JSONL)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class UsageError(Exception):
+    """Bad command line or inputs: reported before any model is loaded (exit code 2)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    path: str   # as found (relative inputs stay relative); the JSONL's "path"
+    key: str    # absolute, normalised: the identity used to resume
+    root: str   # the input it came from; --output-dir mirrors paths relative to it
+
+
+# -- inputs -------------------------------------------------------------------------------
+
+def is_image_name(name: str) -> bool:
+    return os.path.splitext(name)[1].lower() in IMAGE_EXTS
+
+
+def discover(inputs: list[str], recursive: bool = False, warn=print) -> list[Item]:
+    """Expand inputs into images, in a stable order, each once.  A directory gives its image
+    files (hidden ones skipped: `._x.jpg` resource forks are not images), a glob the image
+    files it matches (`**` crosses directories), a file with an image extension itself, and
+    a `.txt`/`.lst`/`.list` file its lines (one path each, relative to the list's folder;
+    blank lines and `#` comments skipped; missing files fail one by one later)."""
+    items: list[Item] = []
+    seen: set[str] = set()
+
+    def add(path: str, root: str) -> None:
+        key = os.path.abspath(path)
+        if key not in seen:
+            seen.add(key)
+            items.append(Item(path, key, root))
+
+    for arg in inputs:
+        before = len(items)
+        if os.path.isdir(arg):
+            for path in _scan(arg, recursive):
+                add(path, arg)
+        elif any(c in arg for c in "*?["):
+            root = _glob_root(arg)
+            for path in sorted(glob.glob(arg, recursive=True)):
+                if os.path.isfile(path) and is_image_name(path):
+                    add(path, root)
+        elif os.path.isfile(arg):
+            ext = os.path.splitext(arg)[1].lower()
+            if ext in IMAGE_EXTS:
+                add(arg, os.path.dirname(arg) or ".")
+            elif ext in LIST_EXTS:
+                base = os.path.dirname(arg) or "."
+                for path in _read_list(arg):
+                    add(os.path.join(base, path), base)
+            else:
+                raise UsageError(
+                    f"input {arg!r} is neither an image ({', '.join(sorted(IMAGE_EXTS))}) nor "
+                    "a list file (.txt/.lst/.list with one image path per line)")
+        else:
+            raise UsageError(f"input {arg!r} does not exist; give directories, globs (quote "
+                             "them), image files or list files")
+        if len(items) == before:
+            warn(f"photon-caption: input {arg!r} has no images")
+    return items
+
+
+def _scan(folder: str, recursive: bool):
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")) if recursive else []
+        for name in sorted(filenames):
+            if not name.startswith(".") and is_image_name(name):
+                yield os.path.join(dirpath, name)
+
+
+def _glob_root(pattern: str) -> str:
+    """The folder part of a glob before its first wildcard."""
+    parts = pattern.split(os.sep)
+    fixed = []
+    for p in parts[:-1]:
+        if any(c in p for c in "*?["):
+            break
+        fixed.append(p)
+    return os.sep.join(fixed) or ("/" if pattern.startswith(os.sep) else ".")
+
+
+def _read_list(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        return [s.strip() for s in f if s.strip() and not s.lstrip().startswith("#")]
+
+
+def sidecar_path(item: Item, output_dir: str | None, ext: str = ".txt") -> str:
+    """`photo.jpg` -> `photo.txt` beside it, or under output_dir at the image's path relative
+    to its input (an image outside that input goes to the top of output_dir)."""
+    stem = os.path.splitext(item.path)[0]
+    if output_dir is None:
+        return stem + ext
+    rel = os.path.relpath(os.path.splitext(item.key)[0], os.path.abspath(item.root))
+    if rel.startswith(os.pardir):
+        rel = os.path.basename(stem)
+    return os.path.join(output_dir, rel + ext)
+
+
+def check_collisions(items: list[Item], sidecars: list[str]) -> None:
+    owner: dict[str, str] = {}
+    clashes = []
+    for it, sc in zip(items, sidecars):
+        k = os.path.abspath(sc)
+        if k in owner:
+            clashes.append(f"{owner[k]!r} and {it.path!r} -> {sc!r}")
+        owner.setdefault(k, it.path)
+    if clashes:
+        raise UsageError(
+            f"{len(clashes)} pair(s) of images would share a sidecar (same name, other "
+            f"extension), e.g. {clashes[0]}; rename them, or use --no-sidecar with --jsonl")
+
+
+# -- outputs ------------------------------------------------------------------------------
+
+def write_atomic(path: str, text: str) -> None:
+    """The file holds the old content or the new, never a part: write a temporary file in
+    the same folder, flush it to disk, rename it over."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".photon-tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Jsonl:
+    """The JSONL output: read back for resume (torn last line repaired), appended one line
+    per image with a single `write` (O_APPEND), so a kill tears at most that line."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd: int | None = None
+
+    def load(self, warn=print) -> dict[str, list[dict]]:
+        """Records by absolute path.  Cuts off a torn last line (no newline at the end)."""
+        out: dict[str, list[dict]] = collections.defaultdict(list)
+        if not os.path.exists(self.path):
+            return out
+        with open(self.path, "rb") as f:
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            warn(f"photon-caption: {self.path}: dropping a torn last line "
+                 f"({len(data) - end} bytes) left by an interrupted run")
+            os.truncate(self.path, end)
+        for n, line in enumerate(data[:end].splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                out[os.path.abspath(rec["path"])].append(rec)
+            except (ValueError, KeyError, TypeError):
+                warn(f"photon-caption: {self.path}:{n}: not a record, ignored")
+        return out
+
+    def drop(self, keys: set[str]) -> None:
+        """Remove the records of these images (for --overwrite), by rewriting atomically."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path, encoding="utf-8") as f:
+            keep = [ln for ln in f if not _record_of(ln, keys)]
+        write_atomic(self.path, "".join(keep))
+
+    def append(self, record: dict) -> None:
+        if self.fd is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.write(self.fd, (json.dumps(record, ensure_ascii=False) + "\n").encode())
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _record_of(line: str, keys: set[str]) -> bool:
+    try:
+        return os.path.abspath(json.loads(line)["path"]) in keys
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def outcome(handle) -> dict:
+    """One finished request -> {"caption", "finish_reason", "output_tokens", "error"}: the
+    shape of a JSONL record and of the Ray integration's columns."""
+    try:
+        r = handle.result()
+    except Exception as e:  # noqa: BLE001 - a failed image is data here, not a crash
+        return failure(e)
+    return {"caption": r["text"], "finish_reason": r["finish_reason"],
+            "output_tokens": r["output_tokens"], "error": None}
+
+
+def failure(e: BaseException) -> dict:
+    return {"caption": None, "finish_reason": None, "output_tokens": 0,
+            "error": str(e) or type(e).__name__}
+
+
+def request_settings(args) -> dict:
+    s = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+         "top_p": args.top_p, "seed": args.seed}
+    if args.repeat_stop:
+        s["repeat_stop"] = args.repeat_stop
+    return s
+
+
+# -- the run ------------------------------------------------------------------------------
+
+def parse_devices(spec: str):
+    import jax
+
+    devs = jax.local_devices()
+    if spec == "all":
+        return devs
+    try:
+        idx = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise UsageError(f"--devices {spec!r}: give 'all' or device indices like 0 or 0,1")
+    bad = [i for i in idx if not 0 <= i < len(devs)]
+    if bad or len(set(idx)) != len(idx):
+        raise UsageError(f"--devices {spec!r}: this machine has devices 0..{len(devs) - 1} "
+                         f"({devs[0].platform}); each index once")
+    return [devs[i] for i in idx]
+
+
+class Run:
+    """One invocation: the engines, the window of requests in flight, the counters."""
+
+    def __init__(self, args, todo: list[Item], sidecars: dict[str, str | None], jsonl):
+        self.args, self.todo, self.sidecars, self.jsonl = args, todo, sidecars, jsonl
+        self.settings = request_settings(args)
+        self.ok = self.tokens = self.interrupted = 0
+        self.failures: list[tuple[str, str]] = []
+
+    def execute(self, models, log) -> None:
+        args = self.args
+        n = len(models)
+        window = 2 * args.batch_size
+        # Dealt round-robin: image i goes to engine i mod n, each engine with its own queue.
+        queues = [collections.deque(self.todo[e::n]) for e in range(n)]
+        busy = [0] * n
+        inflight: dict = {}
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        stopping = False
+
+        def refill(e: int) -> None:
+            while queues[e] and busy[e] < window and not stopping:
+                it = queues[e].popleft()
+                h = models[e].start(it.path, question=args.prompt, length=args.length,
+                                    settings=self.settings)
+                inflight[h] = (it, e)
+                busy[e] += 1
+                h.add_done_callback(done.put)
+
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(self.todo), unit="img", disable=args.quiet, dynamic_ncols=True,
+                   file=sys.stderr)
+        self.t0 = time.perf_counter()
+        try:
+            for e in range(n):
+                refill(e)
+            while inflight:
+                try:
+                    h = done.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                it, e = inflight.pop(h)
+                busy[e] -= 1
+                refill(e)
+                self.record(it, outcome(h), lambda m: bar.write(m, file=sys.stderr))
+                bar.update(1)
+                dt = time.perf_counter() - self.t0
+                bar.set_postfix_str(f"{self.tokens / dt:.1f} tok/s, {len(self.failures)} failed",
+                                    refresh=False)
+        except KeyboardInterrupt:
+            # Stop submitting, cancel what runs, keep what already finished.  A second
+            # Ctrl-C escapes at once; everything written so far is whole.
+            stopping = True
+            log("photon-caption: interrupted; finishing the writes of completed images")
+            for h in list(inflight):
+                h.cancel()
+            while inflight:
+                h = done.get()
+                it, _ = inflight.pop(h)
+                self.record(it, outcome(h), log)
+            self.interrupted += sum(len(q) for q in queues)
+            raise
+        finally:
+            bar.close()
+            self.elapsed = time.perf_counter() - self.t0
+
+    def record(self, it: Item, out: dict, log) -> None:
+        if out["finish_reason"] == "cancelled":   # interrupted: not done, nothing written
+            self.interrupted += 1
+            return
+        sidecar = self.sidecars[it.key]
+        if out["error"] is None:
+            out["caption"] = self.args.prepend + out["caption"] + self.args.append
+            if sidecar is not None:
+                try:
+                    write_atomic(sidecar, out["caption"])
+                except OSError as e:
+                    out = {**out, "caption": None, "error": f"cannot write {sidecar!r}: {e}"}
+        rec = {"path": it.path, **out}
+        if self.args.prompt is not None:
+            rec["prompt"] = self.args.prompt
+        if self.jsonl is not None:
+            self.jsonl.append(rec)
+        if out["error"] is None:
+            self.ok += 1
+            self.tokens += out["output_tokens"]
+        else:
+            self.failures.append((it.path, out["error"]))
+            log(f"photon-caption: failed: {it.path}: {out['error']}")
+
+
+def run(args) -> int:
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.no_sidecar and not args.jsonl:
+        raise UsageError("--no-sidecar needs --jsonl FILE, or nothing would be written")
+    if args.no_sidecar and args.output_dir:
+        raise UsageError("--output-dir places sidecars; it cannot go with --no-sidecar")
+    if args.prompt is not None and not args.prompt.strip():
+        raise UsageError("--prompt is empty; give a question, or drop it to caption")
+    items = discover(args.inputs, args.recursive, warn=log)
+    if not items:
+        raise UsageError("no images found in the inputs")
+    sidecars = {it.key: None if args.no_sidecar else sidecar_path(it, args.output_dir)
+                for it in items}
+    if not args.no_sidecar:
+        check_collisions(items, [sidecars[it.key] for it in items])
+
+    jsonl = Jsonl(args.jsonl) if args.jsonl else None
+    records = jsonl.load(warn=log) if jsonl else {}
+    if args.overwrite:
+        todo = items
+        if jsonl:
+            jsonl.drop({it.key for it in items})
+    else:
+        todo = [it for it in items if not _done(it, sidecars[it.key], jsonl, records)]
+        redo = sum(1 for it in todo if sidecars[it.key] and os.path.exists(sidecars[it.key]))
+        if redo:
+            log(f"photon-caption: {redo} image(s) have a sidecar but no JSONL record (an "
+                "interrupted write, or a new --jsonl); captioning them again")
+    skipped = len(items) - len(todo)
+    if not todo:
+        log(f"photon-caption: all {len(items)} images are done (use --overwrite to redo)")
+        return EXIT_OK
+
+    from .api import Moondream
+
+    devices = parse_devices(args.devices)
+    t_load = time.perf_counter()
+    models = []
+    interrupted = False
+    r = Run(args, todo, sidecars, jsonl)
+    try:
+        for d in devices:
+            models.append(Moondream.load(args.model, dtype=args.dtype, device=d,
+                                         max_batch_size=args.batch_size,
+                                         workers=args.workers))
+        t_load = time.perf_counter() - t_load
+        log(f"photon-caption: {len(todo)} image(s) to do, {skipped} already done; model "
+            f"loaded on {len(devices)} device(s) in {t_load:.1f} s")
+        r.execute(models, log)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        for m in models:
+            m.close()
+        if jsonl:
+            jsonl.close()
+    elapsed = getattr(r, "elapsed", 0.0) or 1e-9
+    if r.failures:
+        log(f"photon-caption: {len(r.failures)} failed image(s):")
+        for path, err in r.failures[:SHOW_FAILURES]:
+            log(f"  {path}: {err}")
+        if len(r.failures) > SHOW_FAILURES:
+            more = "in the JSONL" if jsonl else "above"
+            log(f"  ... {len(r.failures) - SHOW_FAILURES} more ({more})")
+    log(f"photon-caption: {r.ok} captioned, {len(r.failures)} failed, {skipped} skipped "
+        f"(done before), {r.interrupted} not done (interrupted); {r.ok / elapsed:.2f} "
+        f"images/s, {r.tokens / elapsed:.1f} tokens/s over {elapsed:.1f} s on "
+        f"{len(devices)} device(s)")
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if r.failures else EXIT_OK
+
+
+def _done(it: Item, sidecar: str | None, jsonl, records) -> bool:
+    ok = jsonl is not None and any(rec.get("error") is None for rec in records.get(it.key, ()))
+    if sidecar is None:
+        return ok
+    return os.path.exists(sidecar) and (jsonl is None or ok)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="photon-caption",
+        description="Caption (or ask one question about) every image of a dataset with a "
+                    "Moondream checkpoint converted by photon-convert.  Re-running skips "
+                    "images already done, so an interrupted run is finished by running it "
+                    "again.  Exit code: 0 all done, 1 some images failed, 2 bad arguments, "
+                    "130 interrupted.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("inputs", nargs="+", metavar="INPUT",
+                    help="directories, globs (quoted; ** recurses), image files, or list "
+                         "files (.txt/.lst/.list: one path per line, relative to the list)")
+    ap.add_argument("--model", required=True, metavar="CKPT_DIR",
+                    help="checkpoint directory written by photon-convert")
+    ap.add_argument("--recursive", "-r", action="store_true",
+                    help="descend into subdirectories of directory inputs")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--length", default="normal", choices=["short", "normal", "long"],
+                      help="caption length")
+    mode.add_argument("--prompt", default=None,
+                      help="ask this question about each image instead of captioning "
+                           "(query mode; the JSONL records gain 'prompt')")
+    ap.add_argument("--max-tokens", type=int, default=768, help="tokens per image at most")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0 = greedy: the same caption on every run")
+    ap.add_argument("--top-p", type=float, default=0.3, help="nucleus size when temperature > 0")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    ap.add_argument("--repeat-stop", type=int, default=None, metavar="K",
+                    help="end a caption whose tail repeats one phrase K times (off if unset)")
+    ap.add_argument("--batch-size", type=int, default=32,
+                    help="requests decoded together on each device")
+    ap.add_argument("--prepend", default="", help="text put before every caption")
+    ap.add_argument("--append", default="", help="text put after every caption")
+    ap.add_argument("--no-sidecar", action="store_true",
+                    help="write no .txt files (needs --jsonl; resume then reads the JSONL)")
+    ap.add_argument("--output-dir", default=None,
+                    help="put sidecars here, mirroring each input's tree, instead of next to "
+                         "the images")
+    ap.add_argument("--jsonl", default=None, metavar="FILE",
+                    help="append one JSON line per image: path, caption (null on failure), "
+                         "finish_reason, output_tokens, error")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="redo images already done (their old JSONL records are removed)")
+    ap.add_argument("--devices", default="0",
+                    help="'all' (one engine per local device, images dealt round-robin) or "
+                         "device indices such as 0 or 0,1")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                    help="compute dtype (default: the checkpoint's)")
+    ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                    help="threads decoding and cropping images, per device")
+    ap.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_intermixed_args(argv)
+    # SIGTERM (a plain `kill`, a scheduler's preemption) stops like Ctrl-C: completed images
+    # are written, the run says what is left.
+    old = None
+    if _in_main_thread():
+        old = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return run(args)
+    except UsageError as e:
+        print(f"photon-caption: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

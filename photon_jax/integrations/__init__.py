@@ -1,0 +1,1 @@
+"""Adapters to other systems' APIs (optional extras; nothing here is imported by default)."""
