@@ -151,9 +151,12 @@ def engine_run(model, enc, batch: int, steps: int, pipelined: bool, host_work_ms
     # From the first decode commit to the last: in the pipelined loop the first decode step
     # is launched while the prefill still runs, which is not decode time.
     wall = log[-1]["t_end"] - log[0]["t_end"]
-    parts = {k: 1e3 * sum(s[k] for s in log) / len(log) for k in ("launch_s", "finalize_s",
-                                                                   "commit_s")}
-    return batch * (steps - 1) / wall, sum(parts.values()), parts
+    parts = {k: 1e3 * sum(s[k] for s in log[1:]) / (steps - 1)
+             for k in ("launch_s", "finalize_s", "commit_s", "wait_s")}
+    # The host's whole share of a step: everything between two commits except the wait for
+    # the device (launch, finalize, commit, and the scheduler loop around them).
+    host = 1e3 * wall / (steps - 1) - parts.pop("wait_s")
+    return batch * (steps - 1) / wall, host, parts
 
 
 def device_state(model, batch: int):
@@ -199,7 +202,7 @@ def segments(model, steps: int):
     return out
 
 
-def ceiling_run(model, batch: int, steps: int) -> float:
+def ceiling_run(model, batch: int, steps: int, warm: bool = False) -> float:
     import jax
     import numpy as np
 
@@ -218,7 +221,8 @@ def ceiling_run(model, batch: int, steps: int) -> float:
         jax.block_until_ready(pending)
         return kv, slot, pending
 
-    kv, slot, pending = once(kv, slot, pending)   # compile every bucket
+    if not warm:
+        kv, slot, pending = once(kv, slot, pending)   # compile every bucket
     t0 = time.perf_counter()
     once(kv, slot, pending)
     return batch * steps / (time.perf_counter() - t0)
@@ -263,36 +267,46 @@ def env_info() -> dict:
 
 def measure(model, config: str, batch: int, steps: int, mode: str, reps: int) -> dict:
     enc = prefix(model)
-    # Warm-up compiles every shape the loops use; the timed runs compile nothing.
-    for pipelined in (False, True):
-        engine_run(model, enc, batch, steps, pipelined)
+    # Warm-up compiles every shape the loops use (both loops run the same programs); the
+    # timed runs compile nothing.
+    engine_run(model, enc, batch, steps, False)
+    ceiling_run(model, batch, steps)
     # The three loops are timed side by side, `reps` times interleaved, and the median of
     # each is reported, so slow drifts of a shared machine hit all three alike.
-    runs = {k: [] for k in ("blocking", "pipelined", "ceiling", "host_p", "parts_b")}
+    runs = {k: [] for k in ("blocking", "pipelined", "ceiling", "host_b", "host_p", "parts_b")}
     for _ in range(reps):
-        tok_s, _, parts = engine_run(model, enc, batch, steps, False)
+        tok_s, host, parts = engine_run(model, enc, batch, steps, False)
         runs["blocking"].append(tok_s)
+        runs["host_b"].append(host)
         runs["parts_b"].append(parts)
         tok_s, host, _ = engine_run(model, enc, batch, steps, True)
         runs["pipelined"].append(tok_s)
         runs["host_p"].append(host)
-        runs["ceiling"].append(ceiling_run(model, batch, steps))
-    b, p, c, hp = (median(runs[k]) for k in ("blocking", "pipelined", "ceiling", "host_p"))
+        runs["ceiling"].append(ceiling_run(model, batch, steps, warm=True))
+    b, p, c, hb, hp = (median(runs[k]) for k in ("blocking", "pipelined", "ceiling", "host_b",
+                                                 "host_p"))
     pb = {k: median([x[k] for x in runs["parts_b"]]) for k in runs["parts_b"][0]}
-    hb = sum(pb.values())
     fwd, smp = component_times(model, batch, steps)
-    b_ms, p_ms = 1e3 * batch / b, 1e3 * batch / p
-    # Blocking: the host plans and dispatches (launch), the device runs forward while the
-    # host builds the constraint and dispatches sample (finalize), then sample, then the host
-    # commits.  Pipelined: the host's whole tick hides behind the device's step.
-    pred_b = pb["launch_s"] + max(fwd, pb["finalize_s"]) + smp + pb["commit_s"]
-    pred_p = max(fwd + smp, hp)
+    b_ms, p_ms, c_ms = (1e3 * batch / x for x in (b, p, c))
+    # The cost model, from parts measured apart from the loop they predict: the device's
+    # step is the ceiling's (forward + sample with no host in between), split between
+    # forward and sample as the programs run alone; the host's bookkeeping is what the
+    # blocking loop spends per step outside the wait.  Blocking: the host plans and
+    # dispatches, the device runs forward while the host builds the constraint and
+    # dispatches sample (finalize), then sample, then the host commits -- serial except that
+    # overlap.  Pipelined: the host's tick hides behind the device's step, or the reverse.
+    fwd_dev = c_ms * fwd / (fwd + smp)
+    overlap = min(fwd_dev, pb["finalize_s"])
+    pred_b = hb + c_ms - overlap
+    pred_p = max(c_ms, hb)
     r = lambda x: round(x, 3)  # noqa: E731
     return {
         "kind": "loops", "config": config, "batch": batch, "mode": mode, "steps": steps,
         "blocking_tok_s": round(b, 1), "pipelined_tok_s": round(p, 1),
-        "ceiling_tok_s": round(c, 1), "host_ms": r(hp), "host_blocking_ms": r(hb),
-        "forward_ms": r(fwd), "sample_ms": r(smp),
+        "ceiling_tok_s": round(c, 1), "host_ms": r(hb), "host_pipelined_ms": r(hp),
+        "launch_ms": r(pb["launch_s"]), "finalize_ms": r(pb["finalize_s"]),
+        "commit_ms": r(pb["commit_s"]), "forward_ms": r(fwd), "sample_ms": r(smp),
+        "device_ms": r(c_ms),
         "pipelined_over_blocking": r(p / b), "pipelined_over_ceiling": r(p / c),
         "blocking_over_ceiling": r(b / c),
         "blocking_step_ms": r(b_ms), "pipelined_step_ms": r(p_ms),
@@ -304,16 +318,15 @@ def measure(model, config: str, batch: int, steps: int, mode: str, reps: int) ->
 
 def host_work(model, config, batch, steps, mode, reps, work_ms) -> list[dict]:
     enc = prefix(model)
-    for pipelined in (False, True):   # compile first
-        engine_run(model, enc, batch, steps, pipelined)
+    engine_run(model, enc, batch, steps, False)   # compile first
     out = []
     for w in work_ms:
         res = {"blocking": [], "pipelined": [], "host": []}
         for _ in range(reps):
-            res["blocking"].append(engine_run(model, enc, batch, steps, False, w)[0])
-            tok_s, host, _ = engine_run(model, enc, batch, steps, True, w)
-            res["pipelined"].append(tok_s)
+            tok_s, host, _ = engine_run(model, enc, batch, steps, False, w)
+            res["blocking"].append(tok_s)
             res["host"].append(host)
+            res["pipelined"].append(engine_run(model, enc, batch, steps, True, w)[0])
         b, p, h = (median(res[k]) for k in ("blocking", "pipelined", "host"))
         step = 1e3 * batch / b
         out.append({"kind": "host_work", "config": config, "batch": batch, "mode": mode,
@@ -372,8 +385,8 @@ def busy(model, config: str, batch: int, steps: int, mode: str) -> dict:
 
     enc = prefix(model)
     out = {"kind": "busy", "config": config, "batch": batch, "mode": mode, "steps": steps}
+    engine_run(model, enc, batch, steps, False)   # compiled already, unless run alone
     for name, pipelined in (("blocking", False), ("pipelined", True)):
-        engine_run(model, enc, batch, steps, pipelined)   # compiled already: warm
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 engine_run(model, enc, batch, steps, pipelined)

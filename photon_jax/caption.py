@@ -271,7 +271,7 @@ class Run:
     def __init__(self, args, todo: list[Item], sidecars: dict[str, str | None], jsonl):
         self.args, self.todo, self.sidecars, self.jsonl = args, todo, sidecars, jsonl
         self.settings = request_settings(args)
-        self.ok = self.tokens = self.interrupted = 0
+        self.ok = self.tokens = 0
         self.failures: list[tuple[str, str]] = []
 
     def execute(self, models, log) -> None:
@@ -326,7 +326,6 @@ class Run:
                 h = done.get()
                 it, _ = inflight.pop(h)
                 self.record(it, outcome(h), log)
-            self.interrupted += sum(len(q) for q in queues)
             raise
         finally:
             bar.close()
@@ -334,7 +333,6 @@ class Run:
 
     def record(self, it: Item, out: dict, log) -> None:
         if out["finish_reason"] == "cancelled":   # interrupted: not done, nothing written
-            self.interrupted += 1
             return
         sidecar = self.sidecars[it.key]
         if out["error"] is None:
@@ -393,11 +391,12 @@ def run(args) -> int:
         return EXIT_OK
 
     from .api import Moondream
+    from .engine import EngineError
 
     devices = parse_devices(args.devices)
     t_load = time.perf_counter()
     models = []
-    interrupted = False
+    interrupted, fatal = False, None
     r = Run(args, todo, sidecars, jsonl)
     try:
         for d in devices:
@@ -410,6 +409,8 @@ def run(args) -> int:
         r.execute(models, log)
     except KeyboardInterrupt:
         interrupted = True
+    except EngineError as e:   # a device failure: every request in flight failed with it
+        fatal = e
     finally:
         for m in models:
             m.close()
@@ -424,12 +425,14 @@ def run(args) -> int:
             more = "in the JSONL" if jsonl else "above"
             log(f"  ... {len(r.failures) - SHOW_FAILURES} more ({more})")
     log(f"photon-caption: {r.ok} captioned, {len(r.failures)} failed, {skipped} skipped "
-        f"(done before), {r.interrupted} not done (interrupted); {r.ok / elapsed:.2f} "
+        f"(done before), {len(todo) - r.ok - len(r.failures)} not done; {r.ok / elapsed:.2f} "
         f"images/s, {r.tokens / elapsed:.1f} tokens/s over {elapsed:.1f} s on "
         f"{len(devices)} device(s)")
+    if fatal is not None:
+        log(f"photon-caption: stopped: {fatal}; re-run to finish the remaining images")
     if interrupted:
         return EXIT_INTERRUPTED
-    return EXIT_FAILED if r.failures else EXIT_OK
+    return EXIT_FAILED if r.failures or fatal is not None else EXIT_OK
 
 
 def _done(it: Item, sidecar: str | None, jsonl, records) -> bool:
@@ -445,7 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Caption (or ask one question about) every image of a dataset with a "
                     "Moondream checkpoint converted by photon-convert.  Re-running skips "
                     "images already done, so an interrupted run is finished by running it "
-                    "again.  Exit code: 0 all done, 1 some images failed, 2 bad arguments, "
+                    "again.  Exit code: 0 all done, 1 some images failed (or a device error "
+                    "stopped the run), 2 bad arguments, "
                     "130 interrupted.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("inputs", nargs="+", metavar="INPUT",

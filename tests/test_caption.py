@@ -368,3 +368,34 @@ def test_captioner_accepts_paths_structs_arrays_and_nulls(tiny_ckpt, tmp_path, e
     assert out["error"][:4].tolist() == [None] * 4 and "empty" in out["error"][4]
     with pytest.raises(KeyError, match="image_column"):
         Captioner.__call__(cap, {"img": np.array([p])})
+
+
+def test_engine_failure_stops_the_run_and_a_rerun_finishes(tiny_ckpt, tmp_path, monkeypatch,
+                                                           capfd, expect):
+    from photon_jax.api import Moondream as MD
+    from photon_jax.engine import EngineError
+
+    d = tmp_path / "data"
+    paths = make_tree(d, n=4, seed=110)
+    jl = tmp_path / "o.jsonl"
+    argv = [str(d), "-r", "--model", tiny_ckpt, "--jsonl", str(jl), "--batch-size", "1",
+            *ARGS]
+    real, calls = MD.start, []
+
+    def flaky(self, *a, **k):
+        calls.append(1)
+        if len(calls) > 3:
+            raise EngineError("the engine stopped after an error: simulated")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(MD, "start", flaky)
+    capfd.readouterr()
+    assert main(argv) == 1
+    err = capfd.readouterr().err
+    assert "stopped: the engine stopped after an error: simulated" in err
+    assert "not done" in err and len(read_jsonl(jl)) < len(paths)
+    monkeypatch.setattr(MD, "start", real)
+    assert main(argv) == 0
+    recs = read_jsonl(jl)
+    assert sorted(r["path"] for r in recs) == sorted(paths)
+    assert all(r["caption"] == expect(r["path"]) for r in recs)
