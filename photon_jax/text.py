@@ -77,8 +77,12 @@ def attention_mask(pos_RT, prefix_R, kv_len: int):
 
 def tau_factors(p, qkv_RTQ, pos_RT):
     """Tau attention's per-head scales of q and v, each [R, T, N]: tanh(GELU_erf(qkv) @ w)
-    plus the position term 1 + (sigmoid(alpha * ln(p + 1)) - 0.5).  The position is taken in
-    the model dtype first (bf16 rounds positions above 256), as the reference does."""
+    plus the position term 1 + (sigmoid(alpha * ln(p + 1)) - 0.5).
+
+    p + 1 is formed in the model dtype, as the reference does (bf16 rounds positions above
+    256: 730 -> 728); the log and sigmoid then run in float32 and the term is rounded once.
+    (Rounding the log too, op by op, moved our bf16 hidden states twice as far from the
+    float32 oracle as the oracle's own bf16 run.)"""
     dt = qkv_RTQ.dtype
     u = moe.gelu_erf(qkv_RTQ)
     prec = matmul_precision(dt)
@@ -87,8 +91,9 @@ def tau_factors(p, qkv_RTQ, pos_RT):
         return jnp.tanh(jnp.einsum("rtq,qn->rtn", u, w, precision=prec,
                                    preferred_element_type=F32).astype(dt))
 
-    logp = jnp.log(pos_RT.astype(dt) + jnp.asarray(1, dt))
-    tp = 1 + (jax.nn.sigmoid(p["alpha"][None, None, :] * logp[..., None]) - jnp.asarray(0.5, dt))
+    logp = jnp.log((pos_RT.astype(dt) + jnp.asarray(1, dt)).astype(F32))
+    alpha = p["alpha"].astype(F32)[None, None, :]
+    tp = (1 + (jax.nn.sigmoid(alpha * logp[..., None]) - 0.5)).astype(dt)
     return tok(p["wq"]) + tp, tok(p["wv"]) + tp
 
 

@@ -10,6 +10,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE_DIR = os.path.join(HERE, "fixtures", "moondream2-tiny")
 MANIFEST = os.path.join(HERE, "fixtures", "moondream2-manifest.json")
+MD3_FIXTURE_DIR = os.path.join(HERE, "fixtures", "moondream3-tiny")
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +45,27 @@ def tiny_ckpt_bf16(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("ckpt") / "tiny-bf16"
     convert(FIXTURE_DIR, str(out), dtype="bfloat16", log=lambda s: None)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def md3_cases():
+    with open(os.path.join(MD3_FIXTURE_DIR, "cases.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def md3_arrays():
+    return dict(np.load(os.path.join(MD3_FIXTURE_DIR, "cases.npz")))
+
+
+@pytest.fixture(scope="session")
+def md3_ckpt(tmp_path_factory):
+    """The Moondream 3 fixture's HF folder converted with photon-convert (float32)."""
+    from photon_jax.convert import convert
+
+    out = tmp_path_factory.mktemp("ckpt") / "md3-tiny-f32"
+    convert(MD3_FIXTURE_DIR, str(out), dtype="float32", log=lambda s: None)
     return str(out)
 
 
