@@ -5,7 +5,9 @@ against it token for token.  Semantics (Moondream 2, normative): the first text 
 sampled without suppression, every later one with the answer id banned; detect/point are
 greedy and continue while the full-vocabulary argmax is not EOS; x, y (and size) are read by
 the region heads from the hidden state before post_ln and fed back as embeddings;
-coordinates are bin/1024, sizes 2^(bin*10/1023 - 10), boxes are not clamped.
+coordinates are bin/1024, sizes 2^(bin*10/1023 - 10), boxes are not clamped.  Segment
+(Moondream 3, no oracle): free sampling, coord / size ids fed back as the values their hidden
+states decode to, output parsed by `skills.parse_segment`.
 
 `trace` (a dict) collects the intermediate arrays the parity tests compare.
 """
@@ -22,7 +24,7 @@ import numpy as np
 from . import image as image_mod
 from .model import Model
 from .settings import Settings
-from .skills import reasoning_result
+from .skills import parse_segment, reasoning_result
 from .step import KIND_COORD, KIND_SIZE, KIND_TOKEN, kv_bucket, prompt_bucket
 from .streaming import TextStreamer
 from .text import init_cache
@@ -334,3 +336,35 @@ def generate_points(model: Model, enc: EncodedImage, prompt: list[int], *, with_
         trace.update(prefill_hidden=hid, step_hidden=jnp.stack(steps) if steps else None,
                      **sess.routes_trace())
     return {"objects": objects, "bins": bins, "finish_reason": finish}
+
+
+def generate_segment(model: Model, enc: EncodedImage, prompt: list[int], s: Settings,
+                     region=None) -> dict:
+    """Moondream 3 segment, one request: {"path", "bbox", "ids", "finish_reason"}.  Tokens
+    are sampled freely; a coord / size id is fed back as the coordinate / size decoded from
+    the hidden state that produced it (the engine's `skills.SegmentSkill` rules)."""
+    tok = model.cfg.tokenizer
+    sess = _Session(model, enc)
+    _, h, lg = sess.prefill(prompt, region)
+    sample = _Sampler(model, s)
+    ids, values, finish = [], [], "length"
+    nxt = sample(lg, [], 0)
+    while True:
+        if nxt == tok.eos_id:
+            finish = "stop"
+            break
+        if len(ids) >= s.max_tokens:
+            break
+        kind, value = KIND_TOKEN, (0.0, 0.0)
+        if nxt in (tok.coord_id, tok.size_id):
+            _, cv, _, sv = model.programs.region_heads(model.params, h)
+            kind, value = ((KIND_COORD, (float(cv[0]), 0.0)) if nxt == tok.coord_id
+                           else (KIND_SIZE, tuple(float(v) for v in np.array(sv[0]))))
+        ids.append(nxt)
+        values.append(value)
+        if len(ids) == s.max_tokens or not sess.room():
+            break
+        h, lg = sess.decode(kind, nxt, value)
+        nxt = sample(lg, [], len(ids))
+    seg = parse_segment(ids, values, model.prompts.decode, tok.coord_id, tok.size_id)
+    return {**seg, "ids": ids, "finish_reason": finish}

@@ -82,9 +82,10 @@ def make_tables(cfg: MoondreamConfig) -> dict:
     keep_eos = np.zeros(m, bool)
     keep_eos[skills.SPATIAL_X] = True
     coord_kind = np.zeros(m, bool)
-    coord_kind[[skills.SPATIAL_X, skills.FORCE_COORD, skills.REASON_FIRST, skills.REASON]] = True
+    coord_kind[[skills.SPATIAL_X, skills.FORCE_COORD, skills.REASON_FIRST, skills.REASON,
+                skills.SEGMENT]] = True
     size_kind = np.zeros(m, bool)
-    size_kind[skills.FORCE_SIZE] = True
+    size_kind[[skills.FORCE_SIZE, skills.SEGMENT]] = True
     return dict(ban=ban, remap=remap, keep_eos=keep_eos, coord_kind=coord_kind,
                 size_kind=size_kind)
 
