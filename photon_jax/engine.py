@@ -59,8 +59,8 @@ class RequestError(ValueError):
 @dataclass
 class Request:
     """One generation.  `skill` is "text" (caption / query), "detect", "point" or "segment"
-    (Moondream 3).  `prompt`
-    is the token ids after the image prefix (text-only prompts start with BOS themselves).
+    (Moondream 3).  `prompt` is the token ids after the image prefix (text-only prompts start
+    with BOS themselves).
     `image`: a path, PIL image, array, `EncodedImage`, `PreparedImage` or None."""
     skill: str
     prompt: list

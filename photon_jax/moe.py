@@ -15,17 +15,20 @@ by expert and laid out in blocks of `block` rows, each block holding rows of one
 dynamic trip count) reads that block's expert weights and does one [block, D] x [D, 2I]
 and one [block, I] x [I, D] matmul.  Experts nobody chose are never read; work is at most
 A + E * (block - 1) rows instead of tokens * E.  `block` is the mean rows per expert rounded
-down to a power of two (1 in decode: one expert application per assignment; up to 64 in
-prefill: padding at most doubles the work).
+down to a power of two (1 below two rows per expert, e.g. a decode step of a few rows: one
+expert application per assignment; up to 64 in prefill), so padding at most doubles the work.
+Not measured on an accelerator, where each block iteration is a kernel launch: a grouped
+matmul kernel would be the next step there.
 
-Why this one (measured on CPU, D 512, 32 experts, top-4, width 256; bench/moe.py):
-gathering each assignment's expert weights into one batched matmul copies A weight matrices
-and was 2-40x slower than the dense all-experts product from 8 tokens on; one batched matmul
-over all blocks with gathered weights was no faster than dense; `jax.lax.ragged_dot` lowers,
-on CPU (jax 0.10), to a masked dense product over every group, i.e. all experts for every
-token (slower than dense).  The block loop was the fastest at every token count from 1 to
-746.  `dense_reference` (every expert for every token, then the top-k mix) exists for tests
-and benchmarks only.
+Why this one (CPU, the small_md3 layer: width 512, 32 experts, top-4, expert width 256;
+`bench/moe.py`): at 1 / 8 / 32 / 746 tokens it takes 0.5 / 3.0 / 6.1 / 30 ms against 16 / 27
+/ 30 / 162 ms for the dense all-experts product.  Rejected: gathering each assignment's
+expert weights into one batched matmul copies A weight matrices (54 ms at 8 tokens, slower
+than dense); one batched matmul over all blocks with per-block gathered weights was no
+faster than dense at 746 tokens; `jax.lax.ragged_dot` lowers, on CPU (jax 0.10), to a
+masked product over every group, i.e. all experts for every token (24 / 30 / 51 / 573 ms).
+`dense_reference` (every expert for every token, then the top-k mix) exists for tests and
+benchmarks only.
 """
 
 from __future__ import annotations

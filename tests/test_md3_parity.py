@@ -9,7 +9,6 @@ and routing matches counted.
 """
 
 import hashlib
-import os
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +22,12 @@ from photon_jax.model import Model
 from photon_jax.settings import parse
 
 from conftest import MD3_FIXTURE_DIR
+import test_parity as parity
 from test_parity import CASES, IMAGES, TOL, rel_err
 
 
 def image_file(cases, iid):
-    return os.path.join(MD3_FIXTURE_DIR,
-                        next(i["file"] for i in cases["images"] if i["id"] == iid))
+    return parity.image_file(cases, iid, MD3_FIXTURE_DIR)
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +37,7 @@ def model(md3_ckpt):
 
 @pytest.fixture(scope="module")
 def encoded(model, md3_cases):
-    out = {}
-    for iid in IMAGES:
-        tr = {}
-        out[iid] = (R.encode_image(model, image_file(md3_cases, iid), trace=tr), tr)
-    return out
+    return parity.encode_images(model, md3_cases, MD3_FIXTURE_DIR)
 
 
 def test_config_is_moondream3(model):
@@ -102,26 +97,9 @@ def test_tau_factors_of_layer0(md3_cases, md3_arrays, encoded, model):
 @pytest.mark.parametrize("iid", IMAGES)
 @pytest.mark.parametrize("case", CASES)
 def test_fp32_case(iid, case, md3_cases, md3_arrays, encoded, model):
-    ref = md3_cases["fp32"][iid]["cases"][case]
-    settings = md3_cases["settings"]
     tr = {}
-    if case in ("detect", "point"):
-        out = R.generate_points(model, encoded[iid][0], ref["prompt_ids"],
-                                with_size=case == "detect",
-                                max_objects=settings["max_objects"], trace=tr)
-        assert out["bins"] == ref["bins"]
-        assert len(out["objects"]) == len(ref["result"])
-        for mine, want in zip(out["objects"], ref["result"]):
-            assert mine.keys() == want.keys()
-            for k in mine:
-                assert abs(mine[k] - want[k]) < 1e-6, (k, mine, want)
-        assert out["finish_reason"] == {"eos": "stop", "max_objects": "max_objects"}[ref["stop"]]
-    else:
-        s = parse({"temperature": settings["temperature"], "max_tokens": settings["max_tokens"]})
-        out = R.generate_text(model, encoded[iid][0], ref["prompt_ids"], s, trace=tr)
-        assert out["ids"] == ref["ids"]
-        assert out["text"] == ref["text"]
-        assert out["finish_reason"] == {"eos": "stop", "max_tokens": "length"}[ref["stop"]]
+    parity.check_greedy_outcome(model, encoded[iid][0], md3_cases["fp32"][iid]["cases"][case],
+                                case, md3_cases["settings"], tr)
     key = f"fp32.{iid}.{case}"
     want_ids = md3_arrays[f"{key}.router_ids"]
     assert tr["router_ids"].shape == want_ids.shape
@@ -138,13 +116,7 @@ def test_fp32_case(iid, case, md3_cases, md3_arrays, encoded, model):
 
 
 def test_prompt_ids_match_the_oracle(md3_cases, model):
-    st = md3_cases["settings"]
-    ref = md3_cases["fp32"]["sq378"]["cases"]
-    assert model.prompts.query(st["query"]) == ref["query"]["prompt_ids"]
-    assert model.prompts.detect(st["object"]) == ref["detect"]["prompt_ids"]
-    assert model.prompts.point(st["object"]) == ref["point"]["prompt_ids"]
-    for length in ("short", "normal", "long"):
-        assert model.prompts.caption(length) == ref[f"caption_{length}"]["prompt_ids"]
+    parity.check_prompt_ids(model, md3_cases)
 
 
 def test_bf16_loose_oracle(md3_cases, md3_arrays, tmp_path):
