@@ -89,7 +89,22 @@ def md2_config():
     return moondream2("bfloat16")
 
 
-CONFIGS = {"small": small_config, "tiny": tiny_config, "md2": md2_config}
+def small_md3_config():
+    """"small" with Moondream 3's parts: tau attention, layers 2-3 mixtures of 32 experts
+    (top-4, expert width 256: the real model's 1/8 of experts per token), linear region
+    heads."""
+    from dataclasses import replace
+
+    from photon_jax.config import MoEConfig, moondream3
+
+    base, md3 = small_config(), moondream3("float32")
+    return replace(md3, text=replace(base.text, rope_theta=1.5e6, tau=True,
+                                     moe=MoEConfig(32, 2, 4, 256)),
+                   vision=base.vision, region=replace(md3.region, dim=512))
+
+
+CONFIGS = {"small": small_config, "tiny": tiny_config, "md2": md2_config,
+           "small_md3": small_md3_config}
 
 
 def build_model(name: str, eos_bias: float = 0.0):

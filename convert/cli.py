@@ -9,7 +9,7 @@ import sys
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="photon-convert",
-        description="Convert a Hugging Face Moondream 2 snapshot (model.safetensors or a sharded "
+        description="Convert a Hugging Face Moondream 2 or 3 snapshot (model.safetensors or a sharded "
         "index, config.json, tokenizer.json) into a photon_jax checkpoint directory.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -4,6 +4,11 @@ then write the checkpoint into a temporary sibling directory and rename it into 
 Nothing is written until every name, shape and dtype has been checked, and a failure while
 writing leaves no half-written OUT_DIR behind.  Peak memory is the output tree plus one
 source tensor and its converted copy.
+
+The family (Moondream 2 or 3) comes from config.json (`model_type`, or Moondream 3-only keys)
+and from the tensor names (tau, router, region LayerNorm: Moondream 3 whatever config.json
+says); a Moondream 3 config is merged onto the Moondream 3 defaults.  fp8 expert checkpoints
+are refused (see `_MD3_BF16_HINT`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from photon_jax.dtypes import canonical
 from photon_jax.params import flatten, param_shapes
 from photon_jax.tokenizer import TokenizerError, load_tokenizer
 
-from .names import Target, canonical_name, hf_table, stored_shape
+from .names import Target, canonical_name, fp8_expert_names, hf_table, looks_md3, stored_shape
 from .safetensors_io import DTYPES, SafetensorsError, index_checkpoint, read_tensor
 
 CONVERTER_VERSION = "1"
@@ -33,6 +38,10 @@ _NP = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)
 
 class ConvertError(ValueError):
     pass
+
+
+_MD3_BF16_HINT = ("convert the bf16 Hugging Face release (moondream/moondream3-preview, "
+                  "model*.safetensors) instead")
 
 
 def _leaf_shapes(cfg):
@@ -75,8 +84,9 @@ def plan(cfg: MoondreamConfig, tensors: dict) -> list[tuple[object, Target, bool
         )
     problems += dup
     if problems:
+        family = "Moondream 3" if cfg.family == "moondream3" else "Moondream 2"
         raise ConvertError(
-            "the checkpoint does not match the Moondream 2 config in config.json:\n  - "
+            f"the checkpoint does not match the {family} config in config.json:\n  - "
             + "\n  - ".join(problems)
         )
     return list(matched.values())
@@ -89,7 +99,7 @@ def _short(items, n=12):
 
 def _to_target(arr: np.ndarray, tgt: Target, transposed: bool, dt: np.dtype) -> np.ndarray:
     if tgt.transform == "T" or transposed:
-        arr = arr.T
+        arr = np.swapaxes(arr, -1, -2)
     elif tgt.transform == "squeeze0":
         arr = arr[0]
     # float16/bfloat16 -> float32 is exact; -> bfloat16 rounds to nearest even.
@@ -128,7 +138,8 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", tokenizer: st
         raise ConvertError(f"{cfg_path} not found: the HF snapshot's config.json is needed")
     try:
         with open(cfg_path) as f:
-            cfg = from_hf_config_json(json.load(f), dtype=dtype)
+            cfg_json = json.load(f)
+        cfg = from_hf_config_json(cfg_json, dtype=dtype)
     except json.JSONDecodeError as e:
         raise ConvertError(f"{cfg_path}: not valid JSON ({e})") from None
     except ConfigError as e:
@@ -138,10 +149,29 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", tokenizer: st
         load_tokenizer(tok_path)
     except TokenizerError as e:
         raise ConvertError(str(e)) from None
+    if (os.path.isfile(os.path.join(hf_dir, "model_fp8.pt"))
+            and not os.path.isfile(os.path.join(hf_dir, "model.safetensors"))):
+        raise ConvertError(f"{hf_dir}/model_fp8.pt is kestrel's fp8 torch pickle, which is not "
+                           "supported; " + _MD3_BF16_HINT)
     try:
         tensors, files = index_checkpoint(hf_dir)
     except SafetensorsError as e:
         raise ConvertError(str(e)) from None
+    fp8 = fp8_expert_names(tensors) or sorted(
+        n for n, r in tensors.items() if r.dtype.startswith("F8"))
+    if fp8:
+        raise ConvertError(
+            f"fp8-quantized expert weights ({_short(fp8, 4)}): the fp8 layout of "
+            "moondream3.1-9B-A2B (scales per expert and output channel) is not documented "
+            "well enough to dequantize with confidence, so it is refused rather than guessed; "
+            + _MD3_BF16_HINT)
+    if cfg.family != "moondream3" and looks_md3(tensors):
+        # Weights with tau / router / region.ln tensors are Moondream 3 whatever config.json's
+        # model_type says.
+        try:
+            cfg = from_hf_config_json(cfg_json, dtype=dtype, md3=True)
+        except ConfigError as e:
+            raise ConvertError(f"{cfg_path}: {e}") from None
     work = plan(cfg, tensors)
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     index_files = [index] if os.path.isfile(index) else []

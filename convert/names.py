@@ -2,7 +2,10 @@
 
 One table per config: each Hugging Face name (without the `model.` prefix) maps to a tree path,
 the layer it fills in a stacked [L, ...] leaf (or None), and how the stored tensor becomes our
-layout ("T": torch [out, in] -> [in, out]; "id": as stored; "squeeze0": drop a leading 1).
+layout ("T": torch [..., out, in] -> [..., in, out], the last two axes swapped, which also
+turns Moondream 3's [E, out, in] expert tensors into [E, in, out]; "id": as stored;
+"squeeze0": drop a leading 1).  Moondream 3's layers go to the dense or the mixture-of-experts
+group of the tree by the config's layer split (`text.moe.start_layer`).
 Training-format names (the reference's legacy `_load_weights` names, also the MD3 naming) are
 rewritten to HF names first; `._orig_mod` (torch.compile) is stripped everywhere.
 """
@@ -49,13 +52,25 @@ def hf_table(cfg: MoondreamConfig) -> dict[str, Target]:
     _linear(t, "vision.proj_mlp.fc1", ("vision", "proj_mlp", "fc1"))
     _linear(t, "vision.proj_mlp.fc2", ("vision", "proj_mlp", "fc2"))
     t["text.wte"] = Target(("text", "wte"), None, "id")
-    for i in range(cfg.text.n_layers):
-        b, p = f"text.blocks.{i}", ("text", "blocks")
-        _norm(t, f"{b}.ln", (*p, "ln"), i)
-        _linear(t, f"{b}.attn.qkv", (*p, "qkv"), i)
-        _linear(t, f"{b}.attn.proj", (*p, "proj"), i)
-        _linear(t, f"{b}.mlp.fc1", (*p, "fc1"), i)
-        _linear(t, f"{b}.mlp.fc2", (*p, "fc2"), i)
+    tc = cfg.text
+    for i in range(tc.n_layers):
+        b = f"text.blocks.{i}"
+        dense = i < tc.n_dense
+        p, j = (("text", "blocks"), i) if dense else (("text", "moe_blocks"), i - tc.n_dense)
+        _norm(t, f"{b}.ln", (*p, "ln"), j)
+        _linear(t, f"{b}.attn.qkv", (*p, "qkv"), j)
+        _linear(t, f"{b}.attn.proj", (*p, "proj"), j)
+        if tc.tau:
+            t[f"{b}.attn.tau.wq"] = Target((*p, "tau", "wq"), j, "T")
+            t[f"{b}.attn.tau.wv"] = Target((*p, "tau", "wv"), j, "T")
+            t[f"{b}.attn.tau.alpha"] = Target((*p, "tau", "alpha"), j, "id")
+        if dense:
+            _linear(t, f"{b}.mlp.fc1", (*p, "fc1"), j)
+            _linear(t, f"{b}.mlp.fc2", (*p, "fc2"), j)
+        else:
+            _linear(t, f"{b}.mlp.router", (*p, "moe", "router"), j)
+            t[f"{b}.mlp.fc1.weight"] = Target((*p, "moe", "fc1"), j, "T")
+            t[f"{b}.mlp.fc2.weight"] = Target((*p, "moe", "fc2"), j, "T")
     _norm(t, "text.post_ln", ("text", "post_ln"))
     _linear(t, "text.lm_head", ("text", "lm_head"))
     t["region.coord_features"] = Target(("region", "coord_features"), None, "id")
@@ -63,9 +78,30 @@ def hf_table(cfg: MoondreamConfig) -> dict[str, Target]:
     _linear(t, "region.coord_encoder", ("region", "coord_encoder"))
     _linear(t, "region.size_encoder", ("region", "size_encoder"))
     for head in ("coord_decoder", "size_decoder"):
-        _linear(t, f"region.{head}.fc1", ("region", head, "fc1"))
-        _linear(t, f"region.{head}.fc2", ("region", head, "fc2"))
+        if cfg.region.decoder_arch == "linear":
+            _linear(t, f"region.{head}", ("region", head))
+        else:
+            _linear(t, f"region.{head}.fc1", ("region", head, "fc1"))
+            _linear(t, f"region.{head}.fc2", ("region", head, "fc2"))
+    if cfg.region.use_ln:
+        _norm(t, "region.ln", ("region", "ln"))
     return t
+
+
+# Names only Moondream 3 checkpoints have (HF layout, or kestrel's training format).
+_MD3_MARKERS = re.compile(r"(^|\.)(attn\.tau\.|tau_w|tau_alpha|mlp\.router\.|gate\.weight|"
+                          r"region\.ln\.|region_model\.ln\.|coordinate_head|"
+                          r"mlp\.experts\.|output_experts|moe_quant\.)")
+
+
+def looks_md3(names) -> bool:
+    """Do these tensor names belong to a Moondream 3 checkpoint?"""
+    return any(_MD3_MARKERS.search(n) for n in names)
+
+
+def fp8_expert_names(names) -> list[str]:
+    """kestrel's fp8 expert format (moondream3.1-9B-A2B): quantized experts with scales."""
+    return sorted(n for n in names if "moe_quant." in n or n.endswith(("up_scale", "down_scale")))
 
 
 # Training-format name -> HF name.  Tensors marked "transpose" are stored transposed in that
@@ -115,7 +151,7 @@ def canonical_name(name: str) -> tuple[str, bool]:
 def stored_shape(target_shape: tuple[int, ...], tgt: Target, transposed: bool) -> tuple[int, ...]:
     """The shape a tensor must have on disk to fill `target_shape` (one layer's slice)."""
     if tgt.transform == "T" or transposed:
-        return tuple(reversed(target_shape))
+        return (*target_shape[:-2], target_shape[-1], target_shape[-2])
     if tgt.transform == "squeeze0":
         return (1, *target_shape)
     return tuple(target_shape)

@@ -1,5 +1,6 @@
 """The public Python API, shaped like Moondream's own (`caption`, `query`, `detect`, `point`,
-`encode_image`; the same argument names, settings keys and return dicts).
+`encode_image`, and `segment` for Moondream 3; the same argument names, settings keys and
+return dicts).  The model kind (Moondream 2 or 3) comes from the checkpoint's config.
 
 Every call runs through the one pipelined `Engine` of this `Moondream` (DESIGN.md 3).  Each
 method takes one image or a list: a list is submitted at once, runs as one continuous batch
@@ -143,6 +144,25 @@ class Moondream:
     def point(self, image, object: str | list, *, settings: dict | None = None,
               progress: bool = False):
         return self._locate("point", "points", image, object, settings, progress)
+
+    def segment(self, image, object: str | list, *, spatial_refs: list | None = None,
+                settings: dict | None = None, progress: bool = False):
+        """Moondream 3 only: {"path": SVG path text, "bbox": {x_min, y_min, x_max, y_max} or
+        None}.  The box comes from the first coordinate pair and size the model emits, the
+        path from the text tokens after it (kestrel's separate refiner network is not run)."""
+        m = self._m
+        if m.cfg.family != "moondream3" or not m.cfg.tokenizer.segment_prefix:
+            raise ValueError(f"segment needs a Moondream 3 model; this checkpoint is "
+                             f"{m.cfg.family}")
+        s = parse(settings)
+        objs = _check_strings(object, "object")
+        spatial, region = ((), None)
+        if spatial_refs is not None:
+            spatial, region = spatial_refs_prompt(spatial_refs, m.cfg.tokenizer)
+        return self._run(image, objs, False, progress,
+                         lambda img, o: Request("segment", m.prompts.segment(o, spatial=spatial),
+                                                img, s, region=region),
+                         lambda r: {"path": r["path"], "bbox": r["bbox"]})
 
     # -- plumbing -----------------------------------------------------------------------
 

@@ -1,10 +1,15 @@
 """Model configuration: frozen, hashable dataclasses and the presets.
 
 Owns the one description of a Moondream model's shape (`MoondreamConfig`), the presets
-`moondream2()` and `tiny()`, and the translation from the reference's config dict (the nested
-`config` section of a Hugging Face `config.json`, applied as overrides on the reference
-defaults) into it.  Everything is a tuple or scalar so a config can be a static argument of
-`jax.jit`.
+`moondream2()`, `tiny()`, `moondream3()` and `tiny_md3()`, and the translation from the
+reference's config dict (the nested `config` section of a Hugging Face `config.json`, applied
+as overrides on the reference defaults of its family) into it.  Everything is a tuple, scalar
+or frozen dataclass so a config can be a static argument of `jax.jit`.
+
+Moondream 3 differs from Moondream 2 only by data in here: `text.moe` (which layers are
+mixtures of experts, how many experts, top-k, expert width), `text.tau` (tau attention),
+`text.rope_theta`, and the region heads' `decoder_arch` / `use_ln`.  Model code reads these
+fields; it never branches on the family name.
 """
 
 from __future__ import annotations
@@ -22,6 +27,15 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Layers `start_layer`.. of the text model replace the MLP with a mixture of experts."""
+    num_experts: int = 64
+    start_layer: int = 4
+    experts_per_token: int = 8
+    expert_inner_dim: int = 1024
+
+
+@dataclass(frozen=True)
 class TextConfig:
     dim: int = 2048
     ff_dim: int = 8192
@@ -32,13 +46,26 @@ class TextConfig:
     n_kv_heads: int = 32
     prefix_attn: int = 730
     group_size: int | None = None
-    # Not in the reference's config dict: the reference hard-codes these two.
+    # Not in the Moondream 2 reference's config dict: it hard-codes these two (Moondream 3's
+    # schema has rope_theta).
     rope_theta: float = 10000.0
     rope_dim: int = 32
+    moe: MoEConfig | None = None
+    # Tau attention (Moondream 3): per-token, per-head scales of q and v.
+    tau: bool = False
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def n_dense(self) -> int:
+        """Leading layers with the dense MLP; the rest (if any) are mixture-of-experts."""
+        return self.n_layers if self.moe is None else self.moe.start_layer
+
+    @property
+    def n_moe(self) -> int:
+        return self.n_layers - self.n_dense
 
     @property
     def qkv_dim(self) -> int:
@@ -82,6 +109,10 @@ class RegionConfig:
     size_out_dim: int = 2048
     inner_dim: int = 8192
     group_size: int | None = None
+    # "mlp" (Moondream 2: fc1 -> GELU -> fc2) or "linear" (Moondream 3: one linear layer).
+    decoder_arch: str = "mlp"
+    # Moondream 3: a LayerNorm (`region.ln`) before the decoders.
+    use_ln: bool = False
 
 
 def _tup(x):
@@ -107,9 +138,15 @@ class TokenizerConfig:
     detect_suffix: tuple[int, ...] = (3,)
     point_prefix: tuple[int, ...] = (1, 2581, 2)
     point_suffix: tuple[int, ...] = (3,)
+    # Moondream 3 only (empty: the model has no segment skill).
+    segment_prefix: tuple[int, ...] = ()
+    segment_suffix: tuple[int, ...] = ()
 
     def templates_dict(self) -> dict:
         """The reference's nested `templates` schema."""
+        seg = ({"segment": {"prefix": list(self.segment_prefix),
+                            "suffix": list(self.segment_suffix)}}
+               if self.segment_prefix else {})
         return {
             "caption": {
                 "short": list(self.caption_short),
@@ -119,6 +156,7 @@ class TokenizerConfig:
             "query": {"prefix": list(self.query_prefix), "suffix": list(self.query_suffix)},
             "detect": {"prefix": list(self.detect_prefix), "suffix": list(self.detect_suffix)},
             "point": {"prefix": list(self.point_prefix), "suffix": list(self.point_suffix)},
+            **seg,
         }
 
     def max_template_id(self) -> int:
@@ -187,6 +225,16 @@ class MoondreamConfig:
             )
         if t.max_context <= self.prefix_len:
             problems.append(f"text.max_context {t.max_context} leaves no room after the image")
+        if t.moe is not None:
+            m = t.moe
+            if not 0 <= m.start_layer <= t.n_layers:
+                problems.append(f"text.moe.start_layer {m.start_layer} is not in [0, "
+                                f"{t.n_layers}] (text.n_layers)")
+            if not 1 <= m.experts_per_token <= m.num_experts:
+                problems.append(f"text.moe.experts_per_token {m.experts_per_token} is not in "
+                                f"[1, {m.num_experts}] (text.moe.num_experts)")
+        if r.decoder_arch not in ("mlp", "linear"):
+            problems.append(f"region.decoder_arch {r.decoder_arch!r} is not 'mlp' or 'linear'")
         if problems:
             raise ConfigError("invalid Moondream config: " + "; ".join(problems))
         return self
@@ -225,8 +273,7 @@ class MoondreamConfig:
                 f"unknown config section(s) {unknown}; expected some of "
                 "['text', 'vision', 'region', 'tokenizer']"
             )
-        text = _override(base.text, d.get("text", {}), "text",
-                         skip=() if extra_text_keys else ("rope_theta", "rope_dim"))
+        text = _text_override(base.text, d.get("text", {}), extra_text_keys)
         vision = _override(base.vision, d.get("vision", {}), "vision")
         region = _override(base.region, d.get("region", {}), "region")
         tok = _tokenizer_override(base.tokenizer, d.get("tokenizer", {}))
@@ -235,6 +282,41 @@ class MoondreamConfig:
             family=d.get("family", base.family), dtype=d.get("dtype", base.dtype),
         )
         return out.validate()
+
+
+# Our own additions to the text section, not in the reference's schema (rope_theta is in
+# Moondream 3's schema, so a Moondream 3 config may set it).
+_OWN_TEXT_KEYS = ("rope_theta", "rope_dim", "tau")
+
+
+def _text_override(base: TextConfig, d: Any, extra_keys: bool) -> TextConfig:
+    if not isinstance(d, dict):
+        raise ConfigError("config section 'text' must be a dict")
+    d = dict(d)
+    moe = base.moe
+    if "moe" in d:
+        m = d.pop("moe")
+        if m is None:
+            moe = None
+        elif not isinstance(m, dict):
+            raise ConfigError("config text.moe must be a dict (or null for no experts)")
+        else:
+            # start_layer 0 (every layer a mixture of experts) is valid: checked in validate.
+            start = m.get("start_layer")
+            moe = _override(base.moe or MoEConfig(), {k: v for k, v in m.items()
+                                                      if k != "start_layer"}, "text.moe")
+            if start is not None:
+                if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+                    raise ConfigError(f"config text.moe.start_layer must be an integer >= 0, "
+                                      f"got {start!r}")
+                moe = replace(moe, start_layer=start)
+    if extra_keys:
+        skip = ()
+    elif base.moe is not None or base.tau:
+        skip = ("rope_dim", "tau")
+    else:
+        skip = _OWN_TEXT_KEYS
+    return replace(_override(base, d, "text", skip=skip + ("moe",)), moe=moe)
 
 
 def _override(obj, overrides: Any, section: str, skip: tuple = ()):
@@ -256,6 +338,10 @@ def _override(obj, overrides: Any, section: str, skip: tuple = ()):
             if default is not None:
                 raise ConfigError(f"config {section}.{k} must not be null")
             kw[k] = None
+        elif isinstance(default, bool):
+            if not isinstance(val, bool):
+                raise ConfigError(f"config {section}.{k} must be true or false, got {val!r}")
+            kw[k] = val
         elif isinstance(default, str):
             kw[k] = str(val)
         elif isinstance(default, float) and not isinstance(val, bool):
@@ -279,6 +365,8 @@ _TEMPLATE_FIELDS = {
     ("detect", "suffix"): "detect_suffix",
     ("point", "prefix"): "point_prefix",
     ("point", "suffix"): "point_suffix",
+    ("segment", "prefix"): "segment_prefix",
+    ("segment", "suffix"): "segment_suffix",
 }
 
 
@@ -338,8 +426,59 @@ def tiny(dtype: str = "float32") -> MoondreamConfig:
     )
 
 
-def from_hf_config_json(cfg_json: dict, dtype: str = "bfloat16") -> MoondreamConfig:
-    """The effective config of a Hugging Face Moondream 2 `config.json`.
+def moondream3(dtype: str = "bfloat16", max_context: int = 32768) -> MoondreamConfig:
+    """Moondream 3 (HF moondream/moondream3-preview; 9.3B parameters, ~2B active per token):
+    Moondream 2's shapes plus tau attention, RoPE theta 1.5e6, layers 4-23 mixtures of 64
+    experts (top-8, expert width 1024), linear region decoders after a LayerNorm, and the
+    segment skill.  Context 32768 (kestrel's); the HF code's default is 4096 (`HF_MD3_CONTEXT`,
+    what a config.json without max_context gets)."""
+    return MoondreamConfig(
+        text=TextConfig(max_context=max_context, rope_theta=1.5e6, moe=MoEConfig(), tau=True),
+        region=RegionConfig(decoder_arch="linear", use_ln=True),
+        tokenizer=TokenizerConfig(segment_prefix=(1, 17374, 2), segment_suffix=(3,)),
+        family="moondream3",
+        dtype=dtype,
+    )
+
+
+# The Moondream 3 reference code's default context: the base a config.json is merged onto.
+HF_MD3_CONTEXT = 4096
+
+
+def tiny_md3(dtype: str = "float32") -> MoondreamConfig:
+    """The fixture model of tests/fixtures/moondream3-tiny: the MD2 tiny shapes, 4 layers,
+    layers 2-3 mixtures of 8 experts (top-2, width 32)."""
+    base, md3 = tiny(dtype), moondream3(dtype)
+    return replace(
+        md3,
+        text=replace(base.text, n_layers=4, rope_theta=1.5e6, tau=True,
+                     moe=MoEConfig(num_experts=8, start_layer=2, experts_per_token=2,
+                                   expert_inner_dim=32)),
+        vision=base.vision,
+        region=replace(md3.region, dim=64),
+    )
+
+
+def is_md3_config_json(cfg_json: dict) -> bool:
+    """Does a Hugging Face config.json describe Moondream 3?  By `model_type`, or (for a
+    config.json without it) by keys only Moondream 3's schema has."""
+    if str(cfg_json.get("model_type", "")).startswith("moondream3"):
+        return True
+    inner = cfg_json.get("config") or {}
+    if not isinstance(inner, dict):
+        return False
+    text, region = inner.get("text") or {}, inner.get("region") or {}
+    return (isinstance(text, dict) and "moe" in text) or (
+        isinstance(region, dict) and ("decoder_arch" in region or "use_ln" in region))
+
+
+def from_hf_config_json(cfg_json: dict, dtype: str = "bfloat16",
+                        md3: bool | None = None) -> MoondreamConfig:
+    """The effective config of a Hugging Face Moondream 2 or 3 `config.json`.
+
+    The family is `md3` if given (the converter also looks at the tensor names), else
+    `is_md3_config_json`.  Moondream 3 configs are merged onto `moondream3()` with the
+    reference code's context (`HF_MD3_CONTEXT`).
 
     The reference's own HF wrapper ignores the nested `config` dict; `MoondreamConfig.from_dict`
     of the reference applies it on the defaults, and so do we.  Unknown top-level keys
@@ -357,4 +496,7 @@ def from_hf_config_json(cfg_json: dict, dtype: str = "bfloat16") -> MoondreamCon
             f"config.json: unknown key(s) {unknown} in 'config'; expected some of "
             "['text', 'vision', 'region', 'tokenizer']"
         )
-    return MoondreamConfig.from_dict(inner, base=moondream2(dtype), extra_text_keys=False)
+    if md3 is None:
+        md3 = is_md3_config_json(cfg_json)
+    base = moondream3(dtype, max_context=HF_MD3_CONTEXT) if md3 else moondream2(dtype)
+    return MoondreamConfig.from_dict(inner, base=base, extra_text_keys=False)

@@ -59,8 +59,9 @@ class RequestError(ValueError):
 
 @dataclass
 class Request:
-    """One generation.  `skill` is "text" (caption / query), "detect" or "point".  `prompt`
-    is the token ids after the image prefix (text-only prompts start with BOS themselves).
+    """One generation.  `skill` is "text" (caption / query), "detect", "point" or "segment"
+    (Moondream 3).  `prompt` is the token ids after the image prefix (text-only prompts start
+    with BOS themselves).
     `image`: a path, PIL image, array, `EncodedImage`, `PreparedImage` or None."""
     skill: str
     prompt: list
@@ -284,8 +285,9 @@ class Engine:
 
     def _admit(self, h: Handle) -> _Seq:
         req, cfg = h.request, self.cfg
-        if req.skill not in ("text", "detect", "point"):
-            raise RequestError(f"unknown skill {req.skill!r}; expected text, detect or point")
+        if req.skill not in ("text", "detect", "point", "segment"):
+            raise RequestError(f"unknown skill {req.skill!r}; expected text, detect, point or "
+                               "segment")
         if not req.prompt:
             raise RequestError("empty prompt")
         base = 0 if req.image is None else cfg.prefix_len
@@ -473,6 +475,9 @@ class Engine:
                 on_reasoning=h._set_reasoning, **text)
         if req.skill == "text":
             return skills.TextSkill(**text)
+        if req.skill == "segment":
+            return skills.SegmentSkill(coord_id=tok.coord_id, size_id=tok.size_id,
+                                       **{**text, "on_text": None})
         return skills.PointsSkill(with_size=req.skill == "detect",
                                   max_objects=req.settings.max_objects, **common)
 

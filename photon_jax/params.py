@@ -3,7 +3,13 @@
 Params are a plain nested dict of arrays (the same dict is stored in the orbax checkpoint, so
 there is no second layout to keep in sync).  Per-layer weights are stacked on a leading L axis
 so the layer loops are `lax.scan`s: compile time stays flat in depth (27 vision blocks).
-Linear weights are [in, out].
+Linear weights are [in, out] (expert weights [E, in, out]).
+
+Text layers form two stacked groups: `blocks` (the dense layers, 0 .. n_dense-1) and, with
+mixture-of-experts layers, `moe_blocks` (n_dense .. n_layers-1; their MLP is
+`moe = {router, fc1 [E, D, 2I], fc2 [E, I, D]}`).  A group with no layers is absent.  Tau
+attention adds `tau = {wq [qkv, N], wv [qkv, N], alpha [N]}` to every layer; linear region
+decoders are plain linears, `region.ln` their LayerNorm.
 """
 
 import jax
@@ -45,13 +51,7 @@ def param_shapes(cfg: MoondreamConfig) -> dict:
         },
         "text": {
             "wte": (t.vocab_size, D),
-            "blocks": {
-                "ln": _ln(D, TL),
-                "qkv": _lin(D, t.qkv_dim, TL),
-                "proj": _lin(D, D, TL),
-                "fc1": _lin(D, t.ff_dim, TL),
-                "fc2": _lin(t.ff_dim, D, TL),
-            },
+            **_text_blocks(t),
             "post_ln": _ln(D),
             "lm_head": _lin(D, t.vocab_size),
         },
@@ -59,13 +59,42 @@ def param_shapes(cfg: MoondreamConfig) -> dict:
             "coord_features": (1, r.coord_feat_dim // 2),
             "size_features": (2, r.size_feat_dim // 2),
             "coord_encoder": _lin(r.coord_feat_dim, r.dim),
-            "coord_decoder": {"fc1": _lin(r.dim, r.inner_dim),
-                              "fc2": _lin(r.inner_dim, r.coord_out_dim)},
+            "coord_decoder": _decoder(r, r.coord_out_dim),
             "size_encoder": _lin(r.size_feat_dim, r.dim),
-            "size_decoder": {"fc1": _lin(r.dim, r.inner_dim),
-                             "fc2": _lin(r.inner_dim, r.size_out_dim)},
+            "size_decoder": _decoder(r, r.size_out_dim),
+            **({"ln": _ln(r.dim)} if r.use_ln else {}),
         },
     }
+
+
+def _decoder(r, out: int) -> dict:
+    if r.decoder_arch == "linear":
+        return _lin(r.dim, out)
+    return {"fc1": _lin(r.dim, r.inner_dim), "fc2": _lin(r.inner_dim, out)}
+
+
+def _text_blocks(t) -> dict:
+    """The dense group and (if any) the mixture-of-experts group of text layers."""
+    D = t.dim
+
+    def attn(lead):
+        out = {"ln": _ln(D, lead), "qkv": _lin(D, t.qkv_dim, lead), "proj": _lin(D, D, lead)}
+        if t.tau:
+            out["tau"] = {"wq": (*lead, t.qkv_dim, t.n_heads), "wv": (*lead, t.qkv_dim, t.n_heads),
+                          "alpha": (*lead, t.n_heads)}
+        return out
+
+    groups = {}
+    if t.n_dense:
+        lead = (t.n_dense,)
+        groups["blocks"] = {**attn(lead), "fc1": _lin(D, t.ff_dim, lead),
+                            "fc2": _lin(t.ff_dim, D, lead)}
+    if t.n_moe:
+        lead, m = (t.n_moe,), t.moe
+        e, i = m.num_experts, m.expert_inner_dim
+        groups["moe_blocks"] = {**attn(lead), "moe": {
+            "router": _lin(D, e, lead), "fc1": (*lead, e, D, 2 * i), "fc2": (*lead, e, i, D)}}
+    return groups
 
 
 def _is_shape(x):
@@ -96,7 +125,7 @@ def init_params(key, cfg: MoondreamConfig, dtype=None) -> dict:
             val = 0.02 * z
         elif "features" in path:
             val = z
-        elif path.endswith("['w']"):
+        elif path.endswith(("['w']", "['wq']", "['wv']", "['fc1']", "['fc2']")):
             val = z / np.sqrt(shape[-2])
         else:  # embeddings
             val = 0.5 * z

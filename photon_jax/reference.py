@@ -5,7 +5,9 @@ against it token for token.  Semantics (Moondream 2, normative): the first text 
 sampled without suppression, every later one with the answer id banned; detect/point are
 greedy and continue while the full-vocabulary argmax is not EOS; x, y (and size) are read by
 the region heads from the hidden state before post_ln and fed back as embeddings;
-coordinates are bin/1024, sizes 2^(bin*10/1023 - 10), boxes are not clamped.
+coordinates are bin/1024, sizes 2^(bin*10/1023 - 10), boxes are not clamped.  Segment
+(Moondream 3, no oracle): free sampling, coord / size ids fed back as the values their hidden
+states decode to, output parsed by `skills.parse_segment`.
 
 `trace` (a dict) collects the intermediate arrays the parity tests compare.
 """
@@ -22,7 +24,7 @@ import numpy as np
 from . import image as image_mod
 from .model import Model
 from .settings import Settings
-from .skills import reasoning_result
+from .skills import parse_segment, reasoning_result
 from .step import KIND_COORD, KIND_SIZE, KIND_TOKEN, kv_bucket, prompt_bucket
 from .streaming import TextStreamer
 from .text import init_cache
@@ -88,10 +90,13 @@ def encode_image(model: Model, img, trace: dict | None = None) -> EncodedImage:
 
 
 class _Session:
-    """One sequence in a one-row cache."""
+    """One sequence in a one-row cache.  With `routes` (a trace of a model with MoE layers),
+    the MoE routing of the prompt's last position and of every decode step is collected in
+    `self.routes`."""
 
-    def __init__(self, model: Model, enc: EncodedImage | None):
+    def __init__(self, model: Model, enc: EncodedImage | None, routes: bool = False):
         self.m, self.P, self.cfg = model, model.programs, model.cfg
+        self.routes = [] if routes and self.cfg.text.n_moe else None
         self.cache = init_cache(self.cfg, rows=1)
         if enc is not None:
             self.cache = self.P.write_prefix(self.cache, enc.k, enc.v, 0)
@@ -122,20 +127,36 @@ class _Session:
         if region:
             kinds[0, :t], values[0, :t] = region_inputs(ids, region, self.cfg.tokenizer)
         emb = self.P.embed_prompt(self.m.params, kinds, padded, values)
-        self.cache, hid, last, lg = self.P.prefill(
+        prog = self.P.prefill if self.routes is None else self.P.prefill_routes
+        self.cache, hid, last, lg, *routes = prog(
             self.m.params, self.cache, emb, pos, self.rows, self.prefix_R,
             np.full(1, t - 1, _I32), kv_bucket(self.pos + tb, self.max_context))
+        self._keep(routes)
         self.pos += t
         return hid[0, :t], last, lg
+
+    def _keep(self, routes):
+        if routes:
+            self.routes.append(routes[0])
+
+    def routes_trace(self) -> dict:
+        """{"router_ids", "router_w"}: [Lm, 1 + steps, k] (row 0: the prompt's last
+        position), as the fixtures record them."""
+        if not self.routes:
+            return {}
+        ids, w = (np.stack([np.asarray(r[i])[:, 0] for r in self.routes], 1) for i in (0, 1))
+        return {"router_ids": ids, "router_w": w}
 
     def room(self, n: int = 1) -> bool:
         return self.pos + n <= self.max_context
 
     def decode(self, kind: int, token: int = 0, value=(0.0, 0.0)):
-        self.cache, h, lg = self.P.decode(
+        prog = self.P.decode if self.routes is None else self.P.decode_routes
+        self.cache, h, lg, *routes = prog(
             self.m.params, self.cache, np.full(1, kind, _I32), np.full(1, token, _I32),
             np.asarray([value], np.float32), np.full(1, self.pos, _I32), self.rows,
             self.prefix_R, kv_bucket(self.pos + 1, self.max_context))
+        self._keep(routes)
         self.pos += 1
         return h, lg
 
@@ -212,7 +233,7 @@ def iter_text(model: Model, enc: EncodedImage | None, prompt: list[int], s: Sett
     with `reasoning`, "reasoning": {"text", "grounding"} (computed before the first piece)."""
     cfg = model.cfg
     tok_cfg = cfg.tokenizer
-    sess = _Session(model, enc)
+    sess = _Session(model, enc, routes=trace is not None)
     hid, last, lg = sess.prefill(prompt, region)
     sample = _Sampler(model, s)
     if trace is not None:
@@ -251,7 +272,8 @@ def iter_text(model: Model, enc: EncodedImage | None, prompt: list[int], s: Sett
         pieces.append(tail)
         yield tail
     if trace is not None:
-        trace.update(prefill_hidden=hid, step_hidden=jnp.stack(steps) if steps else None)
+        trace.update(prefill_hidden=hid, step_hidden=jnp.stack(steps) if steps else None,
+                     **sess.routes_trace())
     return {"text": "".join(pieces), "ids": ids, "finish_reason": finish, **extra}
 
 
@@ -272,7 +294,7 @@ def generate_points(model: Model, enc: EncodedImage, prompt: list[int], *, with_
     "finish_reason"}."""
     cfg, P = model.cfg, model.programs
     eos = cfg.tokenizer.eos_id
-    sess = _Session(model, enc)
+    sess = _Session(model, enc, routes=trace is not None)
     hid, h, lg = sess.prefill(prompt)
     per_object = 3 if with_size else 2
     objects, bins, steps = [], [], []
@@ -311,5 +333,38 @@ def generate_points(model: Model, enc: EncodedImage, prompt: list[int], *, with_
             objects.append({"x": x, "y": y})
             bins.append([xb, yb])
     if trace is not None:
-        trace.update(prefill_hidden=hid, step_hidden=jnp.stack(steps) if steps else None)
+        trace.update(prefill_hidden=hid, step_hidden=jnp.stack(steps) if steps else None,
+                     **sess.routes_trace())
     return {"objects": objects, "bins": bins, "finish_reason": finish}
+
+
+def generate_segment(model: Model, enc: EncodedImage, prompt: list[int], s: Settings,
+                     region=None) -> dict:
+    """Moondream 3 segment, one request: {"path", "bbox", "ids", "finish_reason"}.  Tokens
+    are sampled freely; a coord / size id is fed back as the coordinate / size decoded from
+    the hidden state that produced it (the engine's `skills.SegmentSkill` rules)."""
+    tok = model.cfg.tokenizer
+    sess = _Session(model, enc)
+    _, h, lg = sess.prefill(prompt, region)
+    sample = _Sampler(model, s)
+    ids, values, finish = [], [], "length"
+    nxt = sample(lg, [], 0)
+    while True:
+        if nxt == tok.eos_id:
+            finish = "stop"
+            break
+        if len(ids) >= s.max_tokens:
+            break
+        kind, value = KIND_TOKEN, (0.0, 0.0)
+        if nxt in (tok.coord_id, tok.size_id):
+            _, cv, _, sv = model.programs.region_heads(model.params, h)
+            kind, value = ((KIND_COORD, (float(cv[0]), 0.0)) if nxt == tok.coord_id
+                           else (KIND_SIZE, tuple(float(v) for v in np.array(sv[0]))))
+        ids.append(nxt)
+        values.append(value)
+        if len(ids) == s.max_tokens or not sess.room():
+            break
+        h, lg = sess.decode(kind, nxt, value)
+        nxt = sample(lg, [], len(ids))
+    seg = parse_segment(ids, values, model.prompts.decode, tok.coord_id, tok.size_id)
+    return {**seg, "ids": ids, "finish_reason": finish}

@@ -1,7 +1,9 @@
-"""The region model of Moondream 2: Fourier-feature encoders for coordinates and sizes, MLP
-decoders, and the bin -> value maps.
+"""The region model: Fourier-feature encoders for coordinates and sizes, the decoders, and
+the bin -> value maps.
 
-The decoders read the text hidden state *before* the final LayerNorm.  The rounding points in
+Decoders by config: Moondream 2's are MLPs (fc1 -> GELU(tanh) -> fc2); Moondream 3's are one
+linear layer each after their own LayerNorm (`region.ln`).  Both read the text hidden state
+*before* the final LayerNorm.  The rounding points in
 bf16 mode are the reference's: round(2*pi*x) first, then the product with the feature matrix,
 then cos/sin, each rounded to the model dtype.  Values (coordinates, sizes) are float32.
 """
@@ -10,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .dtypes import F32, matmul_precision
-from .layers import linear, mlp
+from .layers import layer_norm, linear, mlp
 
 TWO_PI = np.float32(2 * np.pi)
 
@@ -34,13 +36,19 @@ def encode_size(pr, wh_N2, dtype):
     return linear(fourier_features(wh_N2, pr["size_features"], dtype), pr["size_encoder"])
 
 
+def _decode(pr, hidden_ND, name):
+    h = layer_norm(hidden_ND, pr["ln"]) if "ln" in pr else hidden_ND
+    p = pr[name]
+    return (mlp(h, p) if "fc1" in p else linear(h, p)).astype(F32)
+
+
 def coord_logits(pr, hidden_ND):
-    return mlp(hidden_ND, pr["coord_decoder"]).astype(F32)
+    return _decode(pr, hidden_ND, "coord_decoder")
 
 
 def size_logits(pr, hidden_ND):
     """[..., 2, bins]: row 0 width, row 1 height."""
-    out = mlp(hidden_ND, pr["size_decoder"]).astype(F32)
+    out = _decode(pr, hidden_ND, "size_decoder")
     return out.reshape(*out.shape[:-1], 2, -1)
 
 

@@ -18,6 +18,11 @@ Semantics are the Moondream 2 reference's (normative, see `reference.py`):
   new chunks).  The answer id is fed, then the answer is generated as plain text.  At
   `max_tokens` reasoning tokens the answer id is forced (the per-row allowed-set path).
 
+- segment (Moondream 3): free sampling; a sampled coord / size id carries the coordinate /
+  (width, height) its hidden state decodes to and is fed back as that value.  The result is
+  parsed by `parse_segment`: a box from the first coordinate pair and the first size, then
+  the SVG path from the text tokens.
+
 Every stopping rule except EOS (and `repeat_stop`) depends only on the token index and the
 committed tokens before it, so the engine predicts it at dispatch (`feedable`) and a capped
 request never rides an extra step as a zombie.
@@ -39,7 +44,8 @@ FORCE_COORD = 3   # always coord_id
 FORCE_SIZE = 4    # always size_id
 REASON_FIRST = 5  # reasoning, first token: free, but a coord id carries a coordinate
 REASON = 6        # reasoning: EOS and size banned, a coord id carries a coordinate
-N_CONSTRAINTS = 7
+SEGMENT = 7       # free; a coord id carries a coordinate, a size id a (w, h) size
+N_CONSTRAINTS = 8
 
 
 MAX_REPEAT_NGRAM = 16
@@ -101,6 +107,59 @@ class TextSkill:
         self._emit(self.streamer.flush())
         return {"text": "".join(self.pieces), "ids": list(self.ids),
                 "finish_reason": finish_reason, "output_tokens": self.count}
+
+
+def parse_segment(ids: list[int], values: list, decode: Callable, coord_id: int,
+                  size_id: int) -> dict:
+    """Moondream 3's segment output -> {"path": str, "bbox": {x_min, y_min, x_max, y_max} or
+    None}.  The model emits a box as coord (centre x), coord (centre y), size (w, h), then
+    the SVG path as text (M/L/C/Z commands with numbers); `values[i]` is the value carried by
+    `ids[i]` (unused for text tokens).  The box comes from the first coordinate pair and the
+    first size after it (None if the output has no complete box); the path is the text of
+    every other token, coordinate and size tokens left out."""
+    coords, size, path = [], None, []
+    for tok, val in zip(ids, values):
+        if tok == coord_id:
+            if size is None:
+                coords.append(float(val[0]))
+        elif tok == size_id:
+            if size is None and len(coords) >= 2:
+                size = (float(val[0]), float(val[1]))
+        else:
+            path.append(tok)
+    bbox = None
+    if size is not None:
+        (x, y), (w, h) = coords[:2], size
+        # Not clamped to [0, 1], like detect's boxes (the reference does not clamp).
+        bbox = {"x_min": x - w / 2, "y_min": y - h / 2, "x_max": x + w / 2, "y_max": y + h / 2}
+    return {"path": decode(path).strip(), "bbox": bbox}
+
+
+class SegmentSkill(TextSkill):
+    """Moondream 3 segment: text rules (EOS, max_tokens, context), spatial ids carry values,
+    the result is `parse_segment`'s."""
+
+    def __init__(self, *, coord_id: int, size_id: int, **text):
+        super().__init__(**text)
+        self.coord_id, self.size_id = coord_id, size_id
+        self.values: list[tuple[float, float]] = []
+
+    def constraint(self, index: int) -> int:
+        return SEGMENT
+
+    def consume(self, token: int, value) -> str | None:
+        n = len(self.ids)
+        reason = super().consume(token, value)
+        if len(self.ids) > n:
+            self.values.append((float(value[0]), float(value[1])))
+        return reason
+
+    def result(self, finish_reason: str) -> dict:
+        out = super().result(finish_reason)
+        seg = parse_segment(self.ids, self.values, self.streamer.decode, self.coord_id,
+                            self.size_id)
+        return {**seg, "ids": out["ids"], "finish_reason": finish_reason,
+                "output_tokens": self.count}
 
 
 def reasoning_result(decode, chunks, coords) -> dict:

@@ -82,9 +82,10 @@ def make_tables(cfg: MoondreamConfig) -> dict:
     keep_eos = np.zeros(m, bool)
     keep_eos[skills.SPATIAL_X] = True
     coord_kind = np.zeros(m, bool)
-    coord_kind[[skills.SPATIAL_X, skills.FORCE_COORD, skills.REASON_FIRST, skills.REASON]] = True
+    coord_kind[[skills.SPATIAL_X, skills.FORCE_COORD, skills.REASON_FIRST, skills.REASON,
+                skills.SEGMENT]] = True
     size_kind = np.zeros(m, bool)
-    size_kind[skills.FORCE_SIZE] = True
+    size_kind[[skills.FORCE_SIZE, skills.SEGMENT]] = True
     return dict(ban=ban, remap=remap, keep_eos=keep_eos, coord_kind=coord_kind,
                 size_kind=size_kind)
 
@@ -117,19 +118,32 @@ def _encode_image(params, crops_u8, src, ph, pw, *, cfg):
     return feats, vision.project(params["vision"], feats, src, ph, pw)
 
 
-def _prefill(params, cache, embeds_RTD, pos_RT, rows_R, prefix_R, last_R, kv_len, *, cfg):
-    hidden, cache = text.forward(params["text"], cfg.text, embeds_RTD, pos_RT, cache, rows_R,
-                                 prefix_R, kv_len)
+def _prefill(params, cache, embeds_RTD, pos_RT, rows_R, prefix_R, last_R, kv_len, *, cfg,
+             with_routes=False):
+    """`with_routes` (parity traces): also the MoE routing at each row's last position,
+    (ids, weights) each [Lm, R, k]."""
+    hidden, cache, routes = text.forward(params["text"], cfg.text, embeds_RTD, pos_RT, cache,
+                                         rows_R, prefix_R, kv_len, with_routes=True)
     last = jnp.take_along_axis(hidden, last_R[:, None, None], axis=1)[:, 0]
-    return cache, hidden, last, text.logits(params["text"], last)
+    out = (cache, hidden, last, text.logits(params["text"], last))
+    if not with_routes:
+        return out
+    at_last = jax.tree.map(lambda a: jnp.take_along_axis(a, last_R[None, :, None, None],
+                                                         axis=2)[:, :, 0], routes)
+    return (*out, at_last)
 
 
-def _decode(params, cache, kind_R, token_R, value_R2, pos_R, rows_R, prefix_R, kv_len, *, cfg):
+def _decode(params, cache, kind_R, token_R, value_R2, pos_R, rows_R, prefix_R, kv_len, *, cfg,
+            with_routes=False):
+    """`with_routes` (parity traces): also the MoE routing, (ids, weights) each [Lm, R, k]."""
     x = input_embeddings(params, cfg, kind_R, token_R, value_R2)[:, None]
-    hidden, cache = text.forward(params["text"], cfg.text, x, pos_R[:, None], cache, rows_R,
-                                 prefix_R, kv_len)
+    hidden, cache, routes = text.forward(params["text"], cfg.text, x, pos_R[:, None], cache,
+                                         rows_R, prefix_R, kv_len, with_routes=True)
     h = hidden[:, 0]
-    return cache, h, text.logits(params["text"], h)
+    out = (cache, h, text.logits(params["text"], h))
+    if not with_routes:
+        return out
+    return (*out, jax.tree.map(lambda a: a[:, :, 0], routes))
 
 
 def _forward(params, cache, slot: Slot, pending: Pending, meta_FR, kv_len, *, cfg):
@@ -264,6 +278,9 @@ class Programs:
     image_kv: Callable
     prefill: Callable
     decode: Callable
+    # prefill / decode that also return the MoE routing (parity traces of Moondream 3).
+    prefill_routes: Callable
+    decode_routes: Callable
     embed_prompt: Callable
     region_heads: Callable
     sample: Callable
@@ -287,6 +304,10 @@ def build(cfg: MoondreamConfig) -> Programs:
         image_kv=jax.jit(partial(_image_kv, **c)),
         prefill=jax.jit(partial(_prefill, **c), static_argnums=(7,), donate_argnums=(1,)),
         decode=jax.jit(partial(_decode, **c), static_argnums=(8,), donate_argnums=(1,)),
+        prefill_routes=jax.jit(partial(_prefill, with_routes=True, **c), static_argnums=(7,),
+                               donate_argnums=(1,)),
+        decode_routes=jax.jit(partial(_decode, with_routes=True, **c), static_argnums=(8,),
+                              donate_argnums=(1,)),
         embed_prompt=jax.jit(partial(_embed_prompt, **c)),
         region_heads=jax.jit(partial(_region_heads, **c)),
         sample=jax.jit(sampling.sample),

@@ -1,5 +1,10 @@
 """The text decoder (Phi-style parallel blocks), its KV cache and the LM head.
 
+Moondream 3 adds, by config: tau attention in every layer (q and v scaled per token and head
+before RoPE and before the cache write), and mixture-of-experts MLPs (`moe.py`) in the
+layers from `text.moe.start_layer` on.  The dense layers and the MoE layers are two stacked
+groups (`params["text"]["blocks"]`, `["moe_blocks"]`), each run by one `lax.scan`.
+
 Pure functions over `params["text"]`.  One `forward` serves every use: the 730-position image
 prefix (bidirectional inside the prefix), prompt prefill, one-token decode, for one row or
 many.  Each row of the input writes its K/V at its own positions into its own cache row, and
@@ -16,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import moe
 from .config import MoondreamConfig, TextConfig
-from .dtypes import F32, jnp_dtype
+from .dtypes import F32, jnp_dtype, matmul_precision
 from .layers import attention, gelu_tanh, layer_norm, linear
 
 
@@ -69,9 +75,41 @@ def attention_mask(pos_RT, prefix_R, kv_len: int):
     return (j <= p) | ((j < pre) & (p < pre))
 
 
+def tau_factors(p, qkv_RTQ, pos_RT):
+    """Tau attention's per-head scales of q and v, each [R, T, N]: tanh(GELU_erf(qkv) @ w)
+    plus the position term 1 + (sigmoid(alpha * ln(p + 1)) - 0.5).
+
+    p + 1 is formed in the model dtype, as the reference does (bf16 rounds positions above
+    256: 730 -> 728); the log and sigmoid then run in float32 and the term is rounded once.
+    (Rounding the log too, op by op, moved our bf16 hidden states twice as far from the
+    float32 oracle as the oracle's own bf16 run.)"""
+    dt = qkv_RTQ.dtype
+    u = moe.gelu_erf(qkv_RTQ)
+    prec = matmul_precision(dt)
+
+    def tok(w):
+        return jnp.tanh(jnp.einsum("rtq,qn->rtn", u, w, precision=prec,
+                                   preferred_element_type=F32).astype(dt))
+
+    logp = jnp.log((pos_RT.astype(dt) + jnp.asarray(1, dt)).astype(F32))
+    alpha = p["alpha"].astype(F32)[None, None, :]
+    tp = (1 + (jax.nn.sigmoid(alpha * logp[..., None]) - 0.5)).astype(dt)
+    return tok(p["wq"]) + tp, tok(p["wv"]) + tp
+
+
+def _dense_mlp(p, h, cfg):
+    return linear(gelu_tanh(linear(h, p["fc1"])), p["fc2"]), None
+
+
+def _moe_mlp(p, h, cfg):
+    return moe.moe_mlp(p["moe"], h, cfg.moe.experts_per_token, with_routes=True)
+
+
 def forward(pt, cfg: TextConfig, x_RTD, pos_RT, cache: KVCache, rows_R, prefix_R,
-            kv_len: int):
-    """Run the decoder on input embeddings; returns (hidden before post_ln [R,T,D], cache).
+            kv_len: int, with_routes: bool = False):
+    """Run the decoder on input embeddings; returns (hidden before post_ln [R,T,D], cache),
+    and with `with_routes` also the MoE routing (expert ids, weights), each [Lm, R, T, k]
+    over the MoE layers in order (None without MoE layers).
 
     `rows_R` are the cache rows written/read, `pos_RT` the absolute positions of the inputs,
     `kv_len` (static) how many cache positions are attended: cost scales with it, not with the
@@ -81,28 +119,44 @@ def forward(pt, cfg: TextConfig, x_RTD, pos_RT, cache: KVCache, rows_R, prefix_R
     nh, kh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     mask = attention_mask(pos_RT, prefix_R, kv_len)
 
-    def body(carry, layer):
-        x, kc, vc = carry
-        p, li = layer
-        h = layer_norm(x, p["ln"])
-        qkv = linear(h, p["qkv"])
-        q = qkv[..., : nh * hd].reshape(r, t, nh, hd)
-        k = qkv[..., nh * hd:(nh + kh) * hd].reshape(r, t, kh, hd)
-        v = qkv[..., (nh + kh) * hd:].reshape(r, t, kh, hd)
-        q = apply_rope(q, pos_RT, cfg)
-        k = apply_rope(k, pos_RT, cfg)
-        kc = kc.at[li, rows_R[:, None], pos_RT].set(k.astype(kc.dtype), mode="drop")
-        vc = vc.at[li, rows_R[:, None], pos_RT].set(v.astype(vc.dtype), mode="drop")
-        k_all = kc[li, rows_R, :kv_len]
-        v_all = vc[li, rows_R, :kv_len]
-        a = attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask)
-        # (x + attn) + mlp, in the reference's order: it matters for bf16 rounding.
-        x = x + linear(a, p["proj"])
-        x = x + linear(gelu_tanh(linear(h, p["fc1"])), p["fc2"])
-        return (x, kc, vc), None
+    def block(mlp):
+        def body(carry, layer):
+            x, kc, vc = carry
+            p, li = layer
+            h = layer_norm(x, p["ln"])
+            qkv = linear(h, p["qkv"])
+            q = qkv[..., : nh * hd].reshape(r, t, nh, hd)
+            k = qkv[..., nh * hd:(nh + kh) * hd].reshape(r, t, kh, hd)
+            v = qkv[..., (nh + kh) * hd:].reshape(r, t, kh, hd)
+            if cfg.tau:
+                tq, tv = tau_factors(p["tau"], qkv, pos_RT)
+                q = q * tq[..., None]
+                # One factor per query head; kv head j takes head j's (all heads have their
+                # own kv head in Moondream 3).
+                v = v * tv[..., :kh, None]
+            q = apply_rope(q, pos_RT, cfg)
+            k = apply_rope(k, pos_RT, cfg)
+            kc = kc.at[li, rows_R[:, None], pos_RT].set(k.astype(kc.dtype), mode="drop")
+            vc = vc.at[li, rows_R[:, None], pos_RT].set(v.astype(vc.dtype), mode="drop")
+            k_all = kc[li, rows_R, :kv_len]
+            v_all = vc[li, rows_R, :kv_len]
+            a = attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask)
+            # (x + attn) + mlp, in the reference's order: it matters for bf16 rounding.
+            x = x + linear(a, p["proj"])
+            m, routes = mlp(p, h, cfg)
+            return (x + m, kc, vc), routes
+        return body
 
-    layers = (pt["blocks"], jnp.arange(cfg.n_layers))
-    (x, kc, vc), _ = jax.lax.scan(body, (x_RTD, cache.k, cache.v), layers)
+    carry, routes = (x_RTD, cache.k, cache.v), None
+    if cfg.n_dense:
+        carry, _ = jax.lax.scan(block(_dense_mlp), carry,
+                                (pt["blocks"], jnp.arange(cfg.n_dense)))
+    if cfg.n_moe:
+        carry, routes = jax.lax.scan(block(_moe_mlp), carry,
+                                     (pt["moe_blocks"], cfg.n_dense + jnp.arange(cfg.n_moe)))
+    x, kc, vc = carry
+    if with_routes:
+        return x, KVCache(kc, vc), routes
     return x, KVCache(kc, vc)
 
 

@@ -114,6 +114,16 @@ class Prompts:
         c = self.cfg
         return list(c.detect_prefix) + self.encode(" " + obj) + list(c.detect_suffix)
 
+    def segment(self, obj: str, *, spatial: tuple = ()) -> list[int]:
+        """Moondream 3's segment prompt: the object without a leading space (unlike detect /
+        point), after the spatial refs' ids."""
+        c = self.cfg
+        if not c.segment_prefix:
+            raise ValueError("segment needs a Moondream 3 model; this model has no segment "
+                             "skill (its config has no segment template)")
+        return (list(c.segment_prefix) + list(spatial) + self.encode(obj)
+                + list(c.segment_suffix))
+
     def point(self, obj: str) -> list[int]:
         c = self.cfg
         return list(c.point_prefix) + self.encode(" " + obj) + list(c.point_suffix)

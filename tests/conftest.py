@@ -10,6 +10,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE_DIR = os.path.join(HERE, "fixtures", "moondream2-tiny")
 MANIFEST = os.path.join(HERE, "fixtures", "moondream2-manifest.json")
+MD3_FIXTURE_DIR = os.path.join(HERE, "fixtures", "moondream3-tiny")
 
 
 @pytest.fixture(scope="session")
@@ -17,34 +18,59 @@ def fixture_dir():
     return FIXTURE_DIR
 
 
+def _cases(fixture_dir):
+    with open(os.path.join(fixture_dir, "cases.json")) as f:
+        return json.load(f)
+
+
+def _arrays(fixture_dir):
+    return dict(np.load(os.path.join(fixture_dir, "cases.npz")))
+
+
+def _converted(tmp_path_factory, fixture_dir, name, dtype):
+    """A fixture's HF folder converted with photon-convert."""
+    from photon_jax.convert import convert
+
+    out = tmp_path_factory.mktemp("ckpt") / name
+    convert(fixture_dir, str(out), dtype=dtype, log=lambda s: None)
+    return str(out)
+
+
 @pytest.fixture(scope="session")
 def cases():
-    with open(os.path.join(FIXTURE_DIR, "cases.json")) as f:
-        return json.load(f)
+    return _cases(FIXTURE_DIR)
 
 
 @pytest.fixture(scope="session")
 def arrays():
-    return dict(np.load(os.path.join(FIXTURE_DIR, "cases.npz")))
+    return _arrays(FIXTURE_DIR)
 
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """The fixture's HF folder converted with photon-convert (float32)."""
-    from photon_jax.convert import convert
-
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-f32"
-    convert(FIXTURE_DIR, str(out), dtype="float32", log=lambda s: None)
-    return str(out)
+    return _converted(tmp_path_factory, FIXTURE_DIR, "tiny-f32", "float32")
 
 
 @pytest.fixture(scope="session")
 def tiny_ckpt_bf16(tmp_path_factory):
-    from photon_jax.convert import convert
+    return _converted(tmp_path_factory, FIXTURE_DIR, "tiny-bf16", "bfloat16")
 
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-bf16"
-    convert(FIXTURE_DIR, str(out), dtype="bfloat16", log=lambda s: None)
-    return str(out)
+
+@pytest.fixture(scope="session")
+def md3_cases():
+    return _cases(MD3_FIXTURE_DIR)
+
+
+@pytest.fixture(scope="session")
+def md3_arrays():
+    return _arrays(MD3_FIXTURE_DIR)
+
+
+@pytest.fixture(scope="session")
+def md3_ckpt(tmp_path_factory):
+    """The Moondream 3 fixture's HF folder converted with photon-convert (float32)."""
+    return _converted(tmp_path_factory, MD3_FIXTURE_DIR, "md3-tiny-f32", "float32")
 
 
 def biased_model(ckpt: str, biases: dict):

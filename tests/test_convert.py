@@ -31,6 +31,7 @@ _ST_CODE = {
     np.dtype(np.float32): "F32",
     np.dtype(np.float64): "F64",
     np.dtype(np.int8): "I8",
+    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
 }
 _HF_FILES = ("config.json", "tokenizer.json")  # copied from the fixture besides the weights
 

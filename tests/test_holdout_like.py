@@ -27,8 +27,9 @@ def _hf_tensors(cfg, seed):
     for name, shape in names.hf_shapes(cfg, prefix="").items():
         hf = name
         z = rng.standard_normal(shape)
-        if hf.endswith("weight") and len(shape) == 2 and "features" not in hf:
-            z = z / np.sqrt(shape[1])
+        if (hf.endswith(("weight", "tau.wq", "tau.wv")) and len(shape) >= 2
+                and "features" not in hf):
+            z = z / np.sqrt(shape[-1])   # [out, in] or Moondream 3's [experts, out, in]
         elif ".ln" in hf or "post_ln" in hf:
             z = 1 + 0.1 * z if hf.endswith("weight") else 0.05 * z
         elif hf.endswith("bias"):

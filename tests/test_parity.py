@@ -29,8 +29,50 @@ def rel_err(mine, ref):
     return float(np.abs(mine - ref).max() / np.abs(ref).max())
 
 
-def image_file(cases, iid):
-    return os.path.join(FIXTURE_DIR, next(i["file"] for i in cases["images"] if i["id"] == iid))
+def image_file(cases, iid, fixture_dir=FIXTURE_DIR):
+    return os.path.join(fixture_dir, next(i["file"] for i in cases["images"] if i["id"] == iid))
+
+
+def encode_images(model, cases, fixture_dir=FIXTURE_DIR):
+    """{image id: (EncodedImage, trace)} for the fixture's images."""
+    out = {}
+    for iid in IMAGES:
+        tr = {}
+        out[iid] = (R.encode_image(model, image_file(cases, iid, fixture_dir), trace=tr), tr)
+    return out
+
+
+def check_greedy_outcome(model, enc, ref, case, settings, trace):
+    """Run one fixture case on the reference path; its ids / text / bins / objects and stop
+    reason must equal the fixture's."""
+    if case in ("detect", "point"):
+        out = R.generate_points(model, enc, ref["prompt_ids"], with_size=case == "detect",
+                                max_objects=settings["max_objects"], trace=trace)
+        assert out["bins"] == ref["bins"]
+        assert len(out["objects"]) == len(ref["result"])
+        for mine, want in zip(out["objects"], ref["result"]):
+            assert mine.keys() == want.keys()
+            for k in mine:
+                assert abs(mine[k] - want[k]) < 1e-6, (k, mine, want)
+        stop = {"eos": "stop", "max_objects": "max_objects"}[ref["stop"]]
+        assert out["finish_reason"] == stop
+    else:
+        s = parse({"temperature": settings["temperature"], "max_tokens": settings["max_tokens"]})
+        out = R.generate_text(model, enc, ref["prompt_ids"], s, trace=trace)
+        assert out["ids"] == ref["ids"]
+        assert out["text"] == ref["text"]
+        assert out["finish_reason"] == {"eos": "stop", "max_tokens": "length"}[ref["stop"]]
+
+
+def check_prompt_ids(model, cases):
+    q = cases["settings"]["query"]
+    obj = cases["settings"]["object"]
+    ref = cases["fp32"]["sq378"]["cases"]
+    assert model.prompts.query(q) == ref["query"]["prompt_ids"]
+    assert model.prompts.detect(obj) == ref["detect"]["prompt_ids"]
+    assert model.prompts.point(obj) == ref["point"]["prompt_ids"]
+    for length in ("short", "normal", "long"):
+        assert model.prompts.caption(length) == ref[f"caption_{length}"]["prompt_ids"]
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +87,7 @@ def model_bf16(tiny_ckpt_bf16):
 
 @pytest.fixture(scope="module")
 def encoded(model, cases):
-    out = {}
-    for iid in IMAGES:
-        tr = {}
-        out[iid] = (R.encode_image(model, image_file(cases, iid), trace=tr), tr)
-    return out
+    return encode_images(model, cases)
 
 
 def test_pixel_lut_matches_reference(arrays):
@@ -112,27 +150,9 @@ def test_kv_cache_of_image_prefix(cases, arrays, encoded, model):
 @pytest.mark.parametrize("iid", IMAGES)
 @pytest.mark.parametrize("case", CASES)
 def test_fp32_case(iid, case, cases, arrays, encoded, model):
-    ref = cases["fp32"][iid]["cases"][case]
-    enc = encoded[iid][0]
-    settings = cases["settings"]
     tr = {}
-    if case in ("detect", "point"):
-        out = R.generate_points(model, enc, ref["prompt_ids"], with_size=case == "detect",
-                                max_objects=settings["max_objects"], trace=tr)
-        assert out["bins"] == ref["bins"]
-        assert len(out["objects"]) == len(ref["result"])
-        for mine, want in zip(out["objects"], ref["result"]):
-            assert mine.keys() == want.keys()
-            for k in mine:
-                assert abs(mine[k] - want[k]) < 1e-6, (k, mine, want)
-        stop = {"eos": "stop", "max_objects": "max_objects"}[ref["stop"]]
-        assert out["finish_reason"] == stop
-    else:
-        s = parse({"temperature": settings["temperature"], "max_tokens": settings["max_tokens"]})
-        out = R.generate_text(model, enc, ref["prompt_ids"], s, trace=tr)
-        assert out["ids"] == ref["ids"]
-        assert out["text"] == ref["text"]
-        assert out["finish_reason"] == {"eos": "stop", "max_tokens": "length"}[ref["stop"]]
+    check_greedy_outcome(model, encoded[iid][0], cases["fp32"][iid]["cases"][case], case,
+                         cases["settings"], tr)
     key = f"fp32.{iid}.{case}"
     assert rel_err(tr["prefill_hidden"], arrays[f"{key}.prefill_hidden"]) < TOL
     assert rel_err(tr["step_hidden"], arrays[f"{key}.step_hidden"]) < TOL
@@ -141,14 +161,7 @@ def test_fp32_case(iid, case, cases, arrays, encoded, model):
 
 
 def test_query_prompt_ids_match_reference(cases, model):
-    q = cases["settings"]["query"]
-    obj = cases["settings"]["object"]
-    ref = cases["fp32"]["sq378"]["cases"]
-    assert model.prompts.query(q) == ref["query"]["prompt_ids"]
-    assert model.prompts.detect(obj) == ref["detect"]["prompt_ids"]
-    assert model.prompts.point(obj) == ref["point"]["prompt_ids"]
-    for length in ("short", "normal", "long"):
-        assert model.prompts.caption(length) == ref[f"caption_{length}"]["prompt_ids"]
+    check_prompt_ids(model, cases)
 
 
 def test_bf16_loose_oracle(cases, arrays, model_bf16):
