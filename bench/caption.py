@@ -3,8 +3,8 @@
 A random-weights checkpoint of the chosen config is written to a temporary folder, N images
 (640x480 JPEGs of noise: 2 crops each, decoded and cropped on the worker threads like any
 dataset) are captioned greedily with a fixed --max-tokens, once per --batch-size, in one
-process and in the same order.  A short untimed run per batch size (that many images, 2
-tokens) first compiles the programs it uses (the compiled programs are shared across loads of one config), so the timed runs
+process and in the same order.  An untimed run per batch size (that many images, the same
+--max-tokens, so the same attended-length buckets) first compiles the programs it uses (the compiled programs are shared across loads of one config), so the timed runs
 measure steady-state captioning.  One JSON line per batch size:
 
   {"bench": "caption", "config", "batch", "images", "max_tokens", "images_per_s",
@@ -14,7 +14,7 @@ images_per_s and tokens_per_s are the CLI's own summary (from the first submissi
 last write, model load excluded); wall_s is the whole call.  Random weights rarely emit EOS,
 so nearly every caption is max_tokens long and all batch sizes do the same work.
 
-  python bench/caption.py                      # small config, batch 1 8 32, 48 images
+  python bench/caption.py                      # small config, batch 1 8 32, 32 images
   python bench/caption.py --config tiny --images 6 --batch 1 2 --max-tokens 4   # smoke
 """
 
@@ -79,8 +79,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--config", default="small", choices=sorted(CONFIGS))
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--images", type=int, default=48)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--images", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=128,
+                    help="a normal-length caption is about this many tokens")
     args = ap.parse_args(argv)
     if os.environ.get("MALLOC_ARENA_MAX") != CPU_ALLOCATOR_ENV["MALLOC_ARENA_MAX"]:
         # Same allocator settings as bench/pipeline.py (see CPU_ALLOCATOR_ENV there).
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
             os.makedirs(warm)
             for i in range(min(b, args.images)):
                 shutil.copy(os.path.join(imgs, f"img{i:04d}.jpg"), warm)
-            caption(ckpt, warm, b, 2, warm + ".jsonl")
+            caption(ckpt, warm, b, args.max_tokens, warm + ".jsonl")
         base = None
         for b in args.batch:
             r = caption(ckpt, imgs, b, args.max_tokens, os.path.join(tmp, f"b{b}.jsonl"))

@@ -111,25 +111,29 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--config", default="tiny", choices=sorted(P.CONFIGS))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="one size of each (tests only)")
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args(argv)
     if os.environ.get("MALLOC_ARENA_MAX") is None:   # same allocator settings as pipeline.py
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
                   dict(os.environ, **P.CPU_ALLOCATOR_ENV))
     model = P.build_model(args.config)
-    crop_counts = [2, 13] if args.quick else [2, 9, 13]
-    counts = [1, 4] if args.quick else [1, 4, 16]
+    crop_counts = [2] if args.smoke else [2, 13] if args.quick else [2, 9, 13]
+    counts = [1] if args.smoke else [1, 4] if args.quick else [1, 4, 16]
+    crop_batches = [2] if args.smoke else [2, 7, 13] if args.quick else range(2, 14)
     base = {"config": args.config, "date": time.strftime("%Y-%m-%d")}
     for c in crop_counts:
         for n in counts:
             print(json.dumps({**base, "kind": "images", "crops": c, "images": n,
                               "images_per_s": round(images_per_s(model, c, n, args.reps), 2)}),
                   flush=True)
-    for c in ([2, 7, 13] if args.quick else range(2, 14)):
+    for c in crop_batches:
         print(json.dumps({**base, "kind": "crops", "crops": c,
                           "images_per_s": round(crops_per_s(model, c, args.reps), 2)}),
               flush=True)
-    kw = dict(decode_rows=4, arrivals=2 if args.quick else 4, steps=24 if args.quick else 64)
+    short = args.quick or args.smoke
+    kw = dict(decode_rows=4, arrivals=2 if short else 4, steps=8 if args.smoke else
+              24 if args.quick else 64)
     for drain in (False, True):   # both scenarios once: each meets shapes the other compiles
         mix(model, drain, **kw)
     for drain in (False, True):

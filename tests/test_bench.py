@@ -17,38 +17,40 @@ def run(script, *args):
 
 
 def test_pipeline_bench_smoke():
+    """Every part of bench/pipeline.py in one short run: both modes, the loops, the
+    host-work sweep, the zombie counter and the profiler's busy fraction."""
     rows = run("pipeline.py", "--config", "tiny", "--batch", "2", "--steps", "4", "--reps",
-               "1", "--modes", "default", "pinned", "--busy")
+               "1", "--modes", "default", "pinned", "--busy", "--host-work", "0", "1",
+               "--zombies", "--zombie-len", "6")
     loops = [r for r in rows if r["kind"] == "loops"]
     assert [row["mode"] for row in loops] == ["default", "pinned"]
     for row in loops:
         for key in ("config", "batch", "mode", "steps", "blocking_tok_s", "pipelined_tok_s",
-                    "ceiling_tok_s", "host_ms", "forward_ms", "sample_ms",
+                    "ceiling_tok_s", "host_ms", "forward_ms", "sample_ms", "device_ms",
                     "predicted_blocking_ms", "predicted_pipelined_ms"):
             assert key in row
         assert row["batch"] == 2 and row["steps"] == 4
         assert min(row["blocking_tok_s"], row["pipelined_tok_s"], row["ceiling_tok_s"]) > 0
     busy = [r for r in rows if r["kind"] == "busy"]
-    assert len(busy) == 2 and all(0 < r["pipelined_busy"] <= 1 for r in busy)
+    assert len(busy) == 2 and all(0 < r[k] <= 1 for r in busy
+                                  for k in ("blocking_busy", "pipelined_busy"))
+    work = [r for r in rows if r["kind"] == "host_work"]
+    assert [r["host_work_ms"] for r in work] == [0.0, 1.0] * 2
+    z = [r for r in rows if r["kind"] == "zombies"]
+    assert [(r["mode"], r["batch"]) for r in z] == [("default", 1), ("default", 32)]
+    assert all(r["decode_rows"] > 0 for r in z)
 
 
 def test_prefill_bench_smoke():
-    rows = run("prefill.py", "--quick", "--reps", "1")
+    rows = run("prefill.py", "--smoke", "--reps", "1")
     kinds = {r["kind"] for r in rows}
     assert kinds == {"images", "crops", "mix"}
     assert {r["prefill"] for r in rows if r["kind"] == "mix"} == {"in_pipeline", "drained"}
     assert all(r["images_per_s"] > 0 for r in rows if "images_per_s" in r)
 
 
-def test_gpu_script_and_knobs_run_on_cpu():
+def test_gpu_script_parses_without_a_gpu():
     assert run("gpu_md2.py", "--help") == []   # imports and parses without a GPU
-    # The host-work sweep and the zombie counter, at the smallest size.
-    rows = run("pipeline.py", "--config", "tiny", "--batch", "2", "--steps", "4", "--reps",
-               "1", "--modes", "default", "--host-work", "0", "1", "--zombies")
-    work = [r for r in rows if r["kind"] == "host_work"]
-    assert [r["host_work_ms"] for r in work] == [0.0, 1.0]
-    z = [r for r in rows if r["kind"] == "zombies"]
-    assert [r["batch"] for r in z] == [1, 32] and all(r["decode_rows"] > 0 for r in z)
 
 
 def test_caption_bench_smoke():

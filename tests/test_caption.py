@@ -399,3 +399,17 @@ def test_engine_failure_stops_the_run_and_a_rerun_finishes(tiny_ckpt, tmp_path, 
     recs = read_jsonl(jl)
     assert sorted(r["path"] for r in recs) == sorted(paths)
     assert all(r["caption"] == expect(r["path"]) for r in recs)
+
+
+def test_moondream3_checkpoint_through_the_cli(md3_ckpt, tmp_path):
+    """The CLI needs nothing model-specific: a Moondream 3 checkpoint captions the same way,
+    and its captions equal the API's on that checkpoint."""
+    d = tmp_path / "data"
+    paths = make_tree(d, n=2, seed=120)
+    jl = tmp_path / "o.jsonl"
+    assert main([str(d), "-r", "--model", md3_ckpt, "--jsonl", str(jl), *ARGS]) == 0
+    with Moondream.load(md3_ckpt, max_batch_size=4) as m3:
+        assert m3.config.family == "moondream3"
+        want = {p: m3.caption(p, settings=SETTINGS)["caption"] for p in paths}
+    recs = read_jsonl(jl)
+    assert {r["path"]: r["caption"] for r in recs} == want
