@@ -59,3 +59,9 @@ def test_caption_bench_smoke():
     assert [r["batch"] for r in rows] == [1, 2]
     assert all(r["images"] == 3 and r["images_per_s"] > 0 and r["tokens_per_s"] > 0
                for r in rows)
+
+
+def test_moe_bench_smoke():
+    rows = run("moe.py", "--reps", "1", "--tokens", "1", "8")
+    assert {(r["schedule"], r["tokens"]) for r in rows} >= {("selected", 1), ("dense", 8)}
+    assert all(r["max_abs_diff"] < 1e-3 for r in rows)
