@@ -7,21 +7,23 @@ tokens/s of
   - the ceiling         (the same forward + sample step iterated inside one jitted
                          `lax.fori_loop`: the device alone, no host work at all),
 over the same fixed number of decode steps with EOS ignored, plus the measured parts of a
-step: `forward_ms` and `sample_ms` (each program alone, synchronised, averaged over the
-attended-length buckets the run goes through) and `host_ms` (the engine's host time per
-decode step in commit + finalize/plan + launch/dispatch, not counting the wait for the
-device), and the cost model:
-  predicted blocking step  = launch + max(forward, finalize) + sample + commit
-  predicted pipelined step = max(forward + sample, launch + finalize + commit)
-(launch, finalize, commit: the host's parts; in the blocking loop the host builds the
-constraint and dispatches sample while the forward runs, the rest is serial)
-next to the measured steps (`*_step_ms`, `*_model_err`).
+step: `device_ms` (the ceiling's step), `forward_ms` and `sample_ms` (each program alone,
+synchronised, over the attended-length buckets the run goes through), `host_ms` (the
+bookkeeping: the blocking loop's time between commits minus its wait for the device, with
+its parts `launch_ms`, `finalize_ms`, `commit_ms`) and `sync_ms` (a synchronised call's cost
+beyond dispatch and device time), and the cost model built from them:
+  predicted blocking step  = host + device - min(forward share, finalize) + sync
+  predicted pipelined step = max(device + steal, host, sync + commit + finalize + sample share)
+(the host builds the constraint and dispatches sample while the forward runs; the sample of
+step t waits for the host's commit of t-1 and its constraint; `steal` = host / cores in the
+default mode, where the host's time comes out of XLA's cores) next to the measured steps
+(`*_step_ms`, `*_model_err`).  bench/README.md explains each term.
 
 Further lines (full run, or the flags):
-  "host_work"  pinned and default, batch 8: both loops with 0, 4, 8, 16, 32 ms of synthetic
+  "host_work"  pinned and default, batch 8: both loops with 0, 4, 16, 32 ms of synthetic
                host work per step; the parent writes bench/results/pipeline.json and, with
                matplotlib, bench/results/pipeline_gain.png (gain vs host share);
-  "zombies"    batch 1 and 32, three waves of requests with sampled output lengths (tiny
+  "zombies"    (first mode only) batch 1 and 32, three waves of requests with sampled output lengths (tiny
                model, EOS calibrated to a mean of about 60 tokens): the share of computed
                rows that belonged to finished sequences;
   "busy"       the device's busy fraction in each loop, from a `jax.profiler` trace.
@@ -35,8 +37,8 @@ Configs: "small" (text width 512, 4 layers, 8 heads, vocab 32768, context 1024),
 fixture's shapes), "md2" (full-size Moondream 2 in bf16, for GPUs: see gpu_md2.py); random
 weights; prompts of 746 positions (an image prefix of 730 + 16 prompt tokens); greedy.
 
-    python bench/pipeline.py            # everything below, about 5 minutes on 2 cores
-    python bench/pipeline.py --quick    # small config, batch 8, both modes (~1 minute)
+    python bench/pipeline.py            # everything below, about 4 minutes on 2 cores
+    python bench/pipeline.py --quick    # small config, batch 8, both modes (~30 s)
 """
 
 from __future__ import annotations
