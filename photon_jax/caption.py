@@ -27,6 +27,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 
 IMAGE_EXTS = frozenset(
@@ -172,11 +173,12 @@ class Jsonl:
         self.path = path
         self.fd: int | None = None
 
-    def load(self, warn=print) -> dict[str, list[dict]]:
-        """Records by absolute path.  Cuts off a torn last line (no newline at the end)."""
-        out: dict[str, list[dict]] = collections.defaultdict(list)
+    def load(self, warn=print) -> set[str]:
+        """The images (absolute paths) with a successful record.  Cuts off a torn last line
+        (no newline at the end) so the next append starts on a line of its own."""
+        ok: set[str] = set()
         if not os.path.exists(self.path):
-            return out
+            return ok
         with open(self.path, "rb") as f:
             data = f.read()
         end = data.rfind(b"\n") + 1
@@ -189,10 +191,11 @@ class Jsonl:
                 continue
             try:
                 rec = json.loads(line)
-                out[os.path.abspath(rec["path"])].append(rec)
+                if rec.get("error") is None:
+                    ok.add(os.path.abspath(rec["path"]))
             except (ValueError, KeyError, TypeError):
                 warn(f"photon-caption: {self.path}:{n}: not a record, ignored")
-        return out
+        return ok
 
     def drop(self, keys: set[str]) -> None:
         """Remove the records of these images (for --overwrite), by rewriting atomically."""
@@ -272,6 +275,7 @@ class Run:
         self.args, self.todo, self.sidecars, self.jsonl = args, todo, sidecars, jsonl
         self.settings = request_settings(args)
         self.ok = self.tokens = 0
+        self.elapsed = 0.0
         self.failures: list[tuple[str, str]] = []
 
     def execute(self, models, log) -> None:
@@ -283,10 +287,8 @@ class Run:
         busy = [0] * n
         inflight: dict = {}
         done: queue.SimpleQueue = queue.SimpleQueue()
-        stopping = False
-
         def refill(e: int) -> None:
-            while queues[e] and busy[e] < window and not stopping:
+            while queues[e] and busy[e] < window:
                 it = queues[e].popleft()
                 h = models[e].start(it.path, question=args.prompt, length=args.length,
                                     settings=self.settings)
@@ -298,7 +300,7 @@ class Run:
 
         bar = tqdm(total=len(self.todo), unit="img", disable=args.quiet, dynamic_ncols=True,
                    file=sys.stderr)
-        self.t0 = time.perf_counter()
+        t0 = time.perf_counter()
         try:
             for e in range(n):
                 refill(e)
@@ -312,13 +314,12 @@ class Run:
                 refill(e)
                 self.record(it, outcome(h), lambda m: bar.write(m, file=sys.stderr))
                 bar.update(1)
-                dt = time.perf_counter() - self.t0
+                dt = time.perf_counter() - t0
                 bar.set_postfix_str(f"{self.tokens / dt:.1f} tok/s, {len(self.failures)} failed",
                                     refresh=False)
         except KeyboardInterrupt:
             # Stop submitting, cancel what runs, keep what already finished.  A second
             # Ctrl-C escapes at once; everything written so far is whole.
-            stopping = True
             log("photon-caption: interrupted; finishing the writes of completed images")
             for h in list(inflight):
                 h.cancel()
@@ -329,7 +330,7 @@ class Run:
             raise
         finally:
             bar.close()
-            self.elapsed = time.perf_counter() - self.t0
+            self.elapsed = time.perf_counter() - t0
 
     def record(self, it: Item, out: dict, log) -> None:
         if out["finish_reason"] == "cancelled":   # interrupted: not done, nothing written
@@ -374,13 +375,13 @@ def run(args) -> int:
         check_collisions(items, [sidecars[it.key] for it in items])
 
     jsonl = Jsonl(args.jsonl) if args.jsonl else None
-    records = jsonl.load(warn=log) if jsonl else {}
+    recorded = jsonl.load(warn=log) if jsonl else set()
     if args.overwrite:
         todo = items
         if jsonl:
             jsonl.drop({it.key for it in items})
     else:
-        todo = [it for it in items if not _done(it, sidecars[it.key], jsonl, records)]
+        todo = [it for it in items if not _done(it, sidecars[it.key], jsonl, recorded)]
         redo = sum(1 for it in todo if sidecars[it.key] and os.path.exists(sidecars[it.key]))
         if redo:
             log(f"photon-caption: {redo} image(s) have a sidecar but no JSONL record (an "
@@ -416,7 +417,7 @@ def run(args) -> int:
             m.close()
         if jsonl:
             jsonl.close()
-    elapsed = getattr(r, "elapsed", 0.0) or 1e-9
+    elapsed = r.elapsed or 1e-9
     if r.failures:
         log(f"photon-caption: {len(r.failures)} failed image(s):")
         for path, err in r.failures[:SHOW_FAILURES]:
@@ -435,8 +436,8 @@ def run(args) -> int:
     return EXIT_FAILED if r.failures or fatal is not None else EXIT_OK
 
 
-def _done(it: Item, sidecar: str | None, jsonl, records) -> bool:
-    ok = jsonl is not None and any(rec.get("error") is None for rec in records.get(it.key, ()))
+def _done(it: Item, sidecar: str | None, jsonl, recorded: set[str]) -> bool:
+    ok = it.key in recorded
     if sidecar is None:
         return ok
     return os.path.exists(sidecar) and (jsonl is None or ok)
@@ -502,7 +503,7 @@ def main(argv=None) -> int:
     # SIGTERM (a plain `kill`, a scheduler's preemption) stops like Ctrl-C: completed images
     # are written, the run says what is left.
     old = None
-    if _in_main_thread():
+    if threading.current_thread() is threading.main_thread():
         old = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return run(args)
@@ -516,12 +517,6 @@ def main(argv=None) -> int:
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
-
-
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 if __name__ == "__main__":
