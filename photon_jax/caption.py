@@ -300,34 +300,36 @@ class Run:
 
         bar = tqdm(total=len(self.todo), unit="img", disable=args.quiet, dynamic_ncols=True,
                    file=sys.stderr)
+        stop = _StopOnSignal(done)
         t0 = time.perf_counter()
         try:
-            for e in range(n):
-                refill(e)
-            while inflight:
-                try:
-                    h = done.get(timeout=0.5)
-                except queue.Empty:
-                    continue
-                it, e = inflight.pop(h)
-                busy[e] -= 1
-                refill(e)
-                self.record(it, outcome(h), lambda m: bar.write(m, file=sys.stderr))
-                bar.update(1)
-                dt = time.perf_counter() - t0
-                bar.set_postfix_str(f"{self.tokens / dt:.1f} tok/s, {len(self.failures)} failed",
-                                    refresh=False)
-        except KeyboardInterrupt:
-            # Stop submitting, cancel what runs, keep what already finished.  A second
-            # Ctrl-C escapes at once; everything written so far is whole.
-            log("photon-caption: interrupted; finishing the writes of completed images")
-            for h in list(inflight):
-                h.cancel()
-            while inflight:
-                h = done.get()
-                it, _ = inflight.pop(h)
-                self.record(it, outcome(h), log)
-            raise
+            with stop:
+                for e in range(n):
+                    refill(e)
+                while inflight and not stop.requested:
+                    h = done.get()
+                    if h is None:          # the signal's wake-up
+                        continue
+                    it, e = inflight.pop(h)
+                    busy[e] -= 1
+                    refill(e)
+                    self.record(it, outcome(h), lambda m: bar.write(m, file=sys.stderr))
+                    bar.update(1)
+                    dt = time.perf_counter() - t0
+                    bar.set_postfix_str(f"{self.tokens / dt:.1f} tok/s, "
+                                        f"{len(self.failures)} failed", refresh=False)
+                if stop.requested and inflight:   # (none left: the run is complete)
+                    # Stop submitting, cancel what runs, keep what already finished.  Each
+                    # handle is waited on directly: its place on `done` may have been taken
+                    # already.  A second signal escapes at once (KeyboardInterrupt).
+                    log("photon-caption: interrupted; finishing the writes of completed "
+                        "images")
+                    for h in inflight:
+                        h.cancel()
+                    for h, (it, _) in list(inflight.items()):
+                        self.record(it, outcome(h), log)
+                        del inflight[h]
+                    raise KeyboardInterrupt
         finally:
             bar.close()
             self.elapsed = time.perf_counter() - t0
@@ -517,6 +519,35 @@ def main(argv=None) -> int:
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+class _StopOnSignal:
+    """While captioning, Ctrl-C and SIGTERM only raise a flag and wake the loop (a None on
+    its queue), so the loop stops between two whole pieces of bookkeeping.  Raising
+    KeyboardInterrupt wherever the signal lands could drop a finished handle taken off the
+    queue, or one started but not yet given its callback, and the drain would wait for it
+    forever.  A second signal raises at once.  Off the main thread (no signals there) it
+    does nothing."""
+
+    def __init__(self, wake: queue.SimpleQueue):
+        self.wake, self.requested, self.old = wake, False, {}
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.wake.put(None)   # SimpleQueue.put may be called from a signal handler
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, h in self.old.items():
+            signal.signal(sig, h)
+        return False
 
 
 if __name__ == "__main__":

@@ -292,6 +292,10 @@ def test_killed_run_then_rerun_captions_every_image_once(tiny_ckpt, tmp_path, si
     assert 2 <= done_before < n, (done_before, err)   # it really stopped midway
     if sig != signal.SIGKILL:   # Ctrl-C and a plain kill stop cleanly, with a summary
         assert proc.returncode == 130 and "interrupted" in err and "not done" in err, err
+    _rerun_finishes(argv, jl, paths, expect)
+
+
+def _rerun_finishes(argv, jl, paths, expect):
     rerun = _cli(argv)
     out, err = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, err
@@ -301,6 +305,60 @@ def test_killed_run_then_rerun_captions_every_image_once(tiny_ckpt, tmp_path, si
         assert r["error"] is None
         assert r["caption"] == caption_of(os.path.splitext(r["path"])[0] + ".txt")
         assert r["caption"] == expect(r["path"])
+
+
+# Runs photon-caption with Ctrl-C sent at a chosen point of its bookkeeping: "start" as the
+# CLI gives a just-started request its done callback (the moment between the two used to
+# lose the handle and hang the drain), "finish" from the engine's thread as a request
+# finishes, i.e. while the CLI takes it off its queue.
+_INJECT = """
+import os, signal, sys
+from photon_jax import caption, engine
+at, when = int(os.environ["AT"]), os.environ["WHEN"]
+add, n = engine.Handle.add_done_callback, [0]
+def kill(*_):
+    os.kill(os.getpid(), signal.SIGINT)
+def patched(self, fn):
+    n[0] += 1
+    if n[0] == at:
+        if when == "start":
+            kill()
+        else:
+            add(self, kill)
+    return add(self, fn)
+engine.Handle.add_done_callback = patched
+sys.exit(caption.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("when", ["start", "finish"])
+def test_ctrl_c_at_any_point_of_the_bookkeeping_stops_cleanly(tiny_ckpt, tmp_path, when,
+                                                              expect):
+    d = tmp_path / "data"
+    d.mkdir()
+    paths = []
+    for i in range(6):
+        p = str(d / f"img{i}.png")
+        Image.fromarray(noise(320 + i, 40, 44 + i)).save(p)
+        paths.append(p)
+    script = tmp_path / "inject.py"
+    script.write_text(_INJECT)
+    jl = tmp_path / "o.jsonl"
+    argv = [str(d), "--model", tiny_ckpt, "--jsonl", str(jl), "--batch-size", "1", *ARGS]
+    proc = subprocess.Popen([sys.executable, str(script), *argv], text=True,
+                            env={**os.environ, "AT": "3", "WHEN": when},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"Ctrl-C at {when} of a request hung the run: {proc.communicate()[1]}")
+    assert proc.returncode == 130 and "interrupted" in err, err
+    recs = read_jsonl(jl)
+    assert 1 <= len(recs) < len(paths), err
+    for r in recs:   # what was recorded is whole: its sidecar says the same
+        assert r["caption"] == caption_of(os.path.splitext(r["path"])[0] + ".txt")
+    _rerun_finishes(argv, jl, paths, expect)
 
 
 def test_all_devices_give_the_same_captions(tiny_ckpt, tmp_path, expect):
