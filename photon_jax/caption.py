@@ -320,8 +320,8 @@ class Run:
                                         f"{len(self.failures)} failed", refresh=False)
                 if stop.requested and inflight:   # (none left: the run is complete)
                     # Stop submitting, cancel what runs, keep what already finished.  Each
-                    # handle is waited on directly: its place on `done` may have been taken
-                    # already.  A second signal escapes at once (KeyboardInterrupt).
+                    # handle is waited on directly, whether or not it reached `done` yet.
+                    # A second signal escapes at once (KeyboardInterrupt).
                     log("photon-caption: interrupted; finishing the writes of completed "
                         "images")
                     for h in inflight:
