@@ -1,16 +1,17 @@
 """Images/s of `photon-caption` by batch size: does batching pay for a dataset run?
 
 A random-weights checkpoint of the chosen config is written to a temporary folder, N images
-(640x480 JPEGs of noise: 2 crops each, decoded and cropped on the worker threads like any
+(640x480 JPEGs of noise: 9 crops each, decoded and cropped on the worker threads like any
 dataset) are captioned greedily with a fixed --max-tokens, once per --batch-size, in one
 process and in the same order.  An untimed run per batch size (that many images, the same
---max-tokens, so the same attended-length buckets) first compiles the programs it uses (the compiled programs are shared across loads of one config), so the timed runs
-measure steady-state captioning.  One JSON line per batch size:
+--max-tokens, so the same attended-length buckets) first compiles the programs it uses
+(compiled programs are shared across loads of one config), so the timed runs measure
+steady-state captioning.  One JSON line per batch size:
 
   {"bench": "caption", "config", "batch", "images", "max_tokens", "images_per_s",
    "tokens_per_s", "wall_s", "vs_batch1"}
 
-images_per_s and tokens_per_s are the CLI's own summary (from the first submission to the
+images_per_s and tokens_per_s are the CLI's own `Summary` (from the first submission to the
 last write, model load excluded); wall_s is the whole call.  Random weights rarely emit EOS,
 so nearly every caption is max_tokens long and all batch sizes do the same work.
 
@@ -25,7 +26,6 @@ import contextlib
 import io
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -35,9 +35,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from pipeline import CONFIGS, CPU_ALLOCATOR_ENV, TOKENIZER, build_model  # noqa: E402
-
-SUMMARY = re.compile(r"([\d.]+) images/s, ([\d.]+) tokens/s over ([\d.]+) s")
-
 
 def write_checkpoint(name: str, folder: str) -> str:
     from photon_jax import checkpoint
@@ -60,18 +57,21 @@ def write_images(folder: str, n: int) -> None:
 
 
 def caption(ckpt: str, images: str, batch: int, max_tokens: int, out: str) -> dict:
-    from photon_jax.caption import main
+    from photon_jax import caption as cli
 
+    args = cli.build_parser().parse_intermixed_args(
+        [images, "--model", ckpt, "--batch-size", str(batch), "--max-tokens", str(max_tokens),
+         "--no-sidecar", "--jsonl", out, "--quiet"])
     err = io.StringIO()
     t0 = time.perf_counter()
     with contextlib.redirect_stderr(err):
-        rc = main([images, "--model", ckpt, "--batch-size", str(batch), "--max-tokens",
-                   str(max_tokens), "--no-sidecar", "--jsonl", out, "--quiet"])
+        summary = cli.run(args)
     wall = time.perf_counter() - t0
-    m = SUMMARY.search(err.getvalue())
-    if rc != 0 or m is None:
-        raise RuntimeError(f"photon-caption failed (exit {rc}):\n{err.getvalue()[-2000:]}")
-    return {"images_per_s": float(m[1]), "tokens_per_s": float(m[2]), "wall_s": round(wall, 2)}
+    if summary.exit_code != 0:
+        raise RuntimeError(f"photon-caption failed (exit {summary.exit_code}):\n"
+                           f"{err.getvalue()[-2000:]}")
+    return {"images_per_s": round(summary.images_per_s, 3),
+            "tokens_per_s": round(summary.tokens_per_s, 1), "wall_s": round(wall, 2)}
 
 
 def main(argv=None) -> int:

@@ -358,7 +358,29 @@ class Run:
             log(f"photon-caption: failed: {it.path}: {out['error']}")
 
 
-def run(args) -> int:
+@dataclasses.dataclass
+class Summary:
+    """What a run did: the numbers of its last log line, for scripts and benchmarks.
+    Rates are over the captioning itself (first submission to last write, load excluded)."""
+    captioned: int = 0
+    failed: int = 0
+    skipped: int = 0          # done before this run
+    not_done: int = 0         # left by an interrupt or a device error
+    tokens: int = 0
+    seconds: float = 0.0
+    devices: int = 0
+    exit_code: int = EXIT_OK
+
+    @property
+    def images_per_s(self) -> float:
+        return self.captioned / (self.seconds or 1e-9)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.seconds or 1e-9)
+
+
+def run(args) -> Summary:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -391,7 +413,7 @@ def run(args) -> int:
     skipped = len(items) - len(todo)
     if not todo:
         log(f"photon-caption: all {len(items)} images are done (use --overwrite to redo)")
-        return EXIT_OK
+        return Summary(skipped=skipped)
 
     from .api import Moondream
     from .engine import EngineError
@@ -419,7 +441,11 @@ def run(args) -> int:
             m.close()
         if jsonl:
             jsonl.close()
-    elapsed = r.elapsed or 1e-9
+    out = Summary(captioned=r.ok, failed=len(r.failures), skipped=skipped,
+                  not_done=len(todo) - r.ok - len(r.failures), tokens=r.tokens,
+                  seconds=r.elapsed, devices=len(devices),
+                  exit_code=EXIT_INTERRUPTED if interrupted else
+                  EXIT_FAILED if r.failures or fatal is not None else EXIT_OK)
     if r.failures:
         log(f"photon-caption: {len(r.failures)} failed image(s):")
         for path, err in r.failures[:SHOW_FAILURES]:
@@ -427,15 +453,13 @@ def run(args) -> int:
         if len(r.failures) > SHOW_FAILURES:
             more = "in the JSONL" if jsonl else "above"
             log(f"  ... {len(r.failures) - SHOW_FAILURES} more ({more})")
-    log(f"photon-caption: {r.ok} captioned, {len(r.failures)} failed, {skipped} skipped "
-        f"(done before), {len(todo) - r.ok - len(r.failures)} not done; {r.ok / elapsed:.2f} "
-        f"images/s, {r.tokens / elapsed:.1f} tokens/s over {elapsed:.1f} s on "
-        f"{len(devices)} device(s)")
+    log(f"photon-caption: {out.captioned} captioned, {out.failed} failed, {out.skipped} "
+        f"skipped (done before), {out.not_done} not done; {out.images_per_s:.2f} images/s, "
+        f"{out.tokens_per_s:.1f} tokens/s over {out.seconds:.1f} s on {out.devices} "
+        "device(s)")
     if fatal is not None:
         log(f"photon-caption: stopped: {fatal}; re-run to finish the remaining images")
-    if interrupted:
-        return EXIT_INTERRUPTED
-    return EXIT_FAILED if r.failures or fatal is not None else EXIT_OK
+    return out
 
 
 def _done(it: Item, sidecar: str | None, jsonl, recorded: set[str]) -> bool:
@@ -508,7 +532,7 @@ def main(argv=None) -> int:
     if threading.current_thread() is threading.main_thread():
         old = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        return run(args)
+        return run(args).exit_code
     except UsageError as e:
         print(f"photon-caption: error: {e}", file=sys.stderr)
         return EXIT_USAGE

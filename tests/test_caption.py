@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from photon_jax import Moondream
-from photon_jax.caption import main
+from photon_jax.caption import build_parser, main, run
 
 SETTINGS = {"max_tokens": 8, "temperature": 0.0}
 ARGS = ["--max-tokens", "8", "--quiet"]
@@ -234,8 +234,11 @@ def test_bad_images_fail_alone_and_the_rest_are_captioned(tiny_ckpt, tmp_path, e
         assert recs[name]["error"] is None and recs[name]["caption"] == cap, name
     assert "4 failed" in err and "captioned" in err and "images/s" in err
     # The failures are retried on the next run (and fail again); the rest are skipped.
-    rc = main([str(d), "--model", tiny_ckpt, "--jsonl", str(jl), *ARGS])
-    assert rc == 1 and len(read_jsonl(jl)) == len(recs) + len(reasons)
+    summary = run(build_parser().parse_intermixed_args(
+        [str(d), "--model", tiny_ckpt, "--jsonl", str(jl), *ARGS]))
+    assert (summary.captioned, summary.failed, summary.skipped, summary.not_done,
+            summary.exit_code) == (0, len(reasons), len(expected), 0, 1)
+    assert len(read_jsonl(jl)) == len(recs) + len(reasons)
 
 
 def test_usage_errors(tiny_ckpt, tmp_path, capfd):
@@ -449,10 +452,12 @@ def test_engine_failure_stops_the_run_and_a_rerun_finishes(tiny_ckpt, tmp_path, 
 
     monkeypatch.setattr(MD, "start", flaky)
     capfd.readouterr()
-    assert main(argv) == 1
+    summary = run(build_parser().parse_intermixed_args(argv))
     err = capfd.readouterr().err
     assert "stopped: the engine stopped after an error: simulated" in err
-    assert "not done" in err and len(read_jsonl(jl)) < len(paths)
+    assert summary.exit_code == 1 and summary.failed == 0
+    assert summary.captioned == len(read_jsonl(jl)) == len(paths) - summary.not_done < 4
+    assert f"{summary.not_done} not done" in err
     monkeypatch.setattr(MD, "start", real)
     assert main(argv) == 0
     recs = read_jsonl(jl)
