@@ -12,6 +12,7 @@ threads: they only submit requests and wait for their own results.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -208,11 +209,12 @@ class Moondream:
                 raise ValueError("image is required; pass a path, PIL image, HxWx3 uint8 array "
                                  "or an EncodedImage")
             h = engine.submit(make(image, args[0]))
-            if stream:
-                reasoning = h.reasoning() if h.request.reasoning else None
-                out = {key: h.text_stream()}
-                return out if reasoning is None else {"reasoning": reasoning, **out}
-            return shape(h.result())
+            with _cancel_on_interrupt([h]):
+                if stream:
+                    reasoning = h.reasoning() if h.request.reasoning else None
+                    out = {key: h.text_stream()}
+                    return out if reasoning is None else {"reasoning": reasoning, **out}
+                return shape(h.result())
         if stream:
             raise ValueError("stream=True works on one image at a time; for a list, call "
                              "without stream (results come back in input order)")
@@ -225,19 +227,33 @@ class Moondream:
         if not optional_image and any(x is None for x in images):
             raise ValueError("image is required for every item of the list")
         handles = engine.submit_many([make(img, a) for img, a in zip(images, args)])
-        if progress:
-            _progress(handles)
         results, errors = [], []
-        for h in handles:
-            try:
-                results.append(shape(h.result()))
-                errors.append(None)
-            except Exception as e:  # noqa: BLE001 - reported per item below
-                results.append(None)
-                errors.append(e)
+        with _cancel_on_interrupt(handles):
+            if progress:
+                _progress(handles)
+            for h in handles:
+                try:
+                    results.append(shape(h.result()))
+                    errors.append(None)
+                except Exception as e:  # noqa: BLE001 - reported per item below
+                    results.append(None)
+                    errors.append(e)
         if any(e is not None for e in errors):
             raise BatchError(results, errors)
         return results
+
+
+@contextlib.contextmanager
+def _cancel_on_interrupt(handles):
+    """Ctrl-C (a notebook's interrupt) while a call waits cancels its unfinished requests:
+    otherwise they would go on decoding, holding rows that later calls wait for."""
+    try:
+        yield
+    except BaseException:
+        for h in handles:
+            if not h.done():
+                h.cancel()
+        raise
 
 
 def _progress(handles) -> None:

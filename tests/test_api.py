@@ -279,3 +279,33 @@ def _png_bytes(im):
     buf = io.BytesIO()
     im.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def test_interrupted_call_cancels_its_requests(md, ref, monkeypatch):
+    # Ctrl-C while a call waits (simulated: result() raises KeyboardInterrupt) must cancel
+    # the call's requests, not leave them decoding in the background.
+    from photon_jax import engine as engine_mod
+
+    real_result, real_submit_many = engine_mod.Handle.result, md.engine.submit_many
+    seen = []
+
+    def spy(reqs):
+        seen.extend(real_submit_many(reqs))
+        return seen[-len(reqs):]
+
+    def interrupted(self, timeout=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(md.engine, "submit_many", spy)
+    monkeypatch.setattr(engine_mod.Handle, "result", interrupted)
+    long = {"max_tokens": 200}
+    with pytest.raises(KeyboardInterrupt):
+        md.caption([LAND, LAND, LAND], "long", settings=long)
+    with pytest.raises(KeyboardInterrupt):
+        md.query(LAND, "w5", settings=long)
+    monkeypatch.setattr(engine_mod.Handle, "result", real_result)
+    assert len(seen) == 4
+    assert [h.result(timeout=120)["finish_reason"] for h in seen] == ["cancelled"] * 4
+    # The rows were released: the next call runs normally.
+    assert md.caption(LAND, "normal", settings=GREEDY) == {
+        "caption": ref["caption_normal"]["text"]}
