@@ -225,14 +225,15 @@ def _record_of(line: str, keys: set[str]) -> bool:
         return False
 
 
-def outcome(handle) -> dict:
+def outcome(handle, prepend: str = "", append: str = "") -> dict:
     """One finished request -> {"caption", "finish_reason", "output_tokens", "error"}: the
-    shape of a JSONL record and of the Ray integration's columns."""
+    shape of a JSONL record and of the Ray integration's columns; a caption gets the
+    --prepend / --append text."""
     try:
         r = handle.result()
     except Exception as e:  # noqa: BLE001 - a failed image is data here, not a crash
         return failure(e)
-    return {"caption": r["text"], "finish_reason": r["finish_reason"],
+    return {"caption": prepend + r["text"] + append, "finish_reason": r["finish_reason"],
             "output_tokens": r["output_tokens"], "error": None}
 
 
@@ -268,14 +269,35 @@ def parse_devices(spec: str):
     return [devs[i] for i in idx]
 
 
+@dataclasses.dataclass
+class Summary:
+    """What a run did: the numbers of its last log line, for scripts and benchmarks.
+    Rates are over the captioning itself (first submission to last write, load excluded)."""
+    captioned: int = 0
+    failed: int = 0
+    skipped: int = 0          # done before this run
+    not_done: int = 0         # left by an interrupt or a device error
+    tokens: int = 0
+    seconds: float = 0.0
+    devices: int = 0
+    exit_code: int = EXIT_OK
+
+    @property
+    def images_per_s(self) -> float:
+        return self.captioned / (self.seconds or 1e-9)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.seconds or 1e-9)
+
+
 class Run:
     """One invocation: the engines, the window of requests in flight, the counters."""
 
     def __init__(self, args, todo: list[Item], sidecars: dict[str, str | None], jsonl):
         self.args, self.todo, self.sidecars, self.jsonl = args, todo, sidecars, jsonl
         self.settings = request_settings(args)
-        self.ok = self.tokens = 0
-        self.elapsed = 0.0
+        self.stats = Summary()   # captioned, failed, tokens, seconds: counted as it goes
         self.failures: list[tuple[str, str]] = []
 
     def execute(self, models, log) -> None:
@@ -313,11 +335,11 @@ class Run:
                     it, e = inflight.pop(h)
                     busy[e] -= 1
                     refill(e)
-                    self.record(it, outcome(h), lambda m: bar.write(m, file=sys.stderr))
+                    self.record(it, h, lambda m: bar.write(m, file=sys.stderr))
                     bar.update(1)
                     dt = time.perf_counter() - t0
-                    bar.set_postfix_str(f"{self.tokens / dt:.1f} tok/s, "
-                                        f"{len(self.failures)} failed", refresh=False)
+                    bar.set_postfix_str(f"{self.stats.tokens / dt:.1f} tok/s, "
+                                        f"{self.stats.failed} failed", refresh=False)
                 if stop.requested and inflight:   # (none left: the run is complete)
                     # Stop submitting, cancel what runs, keep what already finished.  Each
                     # handle is waited on directly, whether or not it reached `done` yet.
@@ -327,57 +349,35 @@ class Run:
                     for h in inflight:
                         h.cancel()
                     for h, (it, _) in list(inflight.items()):
-                        self.record(it, outcome(h), log)
+                        self.record(it, h, log)
                         del inflight[h]
                     raise KeyboardInterrupt
         finally:
             bar.close()
-            self.elapsed = time.perf_counter() - t0
+            self.stats.seconds = time.perf_counter() - t0
 
-    def record(self, it: Item, out: dict, log) -> None:
+    def record(self, it: Item, handle, log) -> None:
+        out = outcome(handle, self.args.prepend, self.args.append)
         if out["finish_reason"] == "cancelled":   # interrupted: not done, nothing written
             return
         sidecar = self.sidecars[it.key]
-        if out["error"] is None:
-            out["caption"] = self.args.prepend + out["caption"] + self.args.append
-            if sidecar is not None:
-                try:
-                    write_atomic(sidecar, out["caption"])
-                except OSError as e:
-                    out = {**out, "caption": None, "error": f"cannot write {sidecar!r}: {e}"}
+        if out["error"] is None and sidecar is not None:
+            try:
+                write_atomic(sidecar, out["caption"])
+            except OSError as e:
+                out = {**out, "caption": None, "error": f"cannot write {sidecar!r}: {e}"}
         rec = {"path": it.path, **out}
         if self.args.prompt is not None:
             rec["prompt"] = self.args.prompt
         if self.jsonl is not None:
             self.jsonl.append(rec)
         if out["error"] is None:
-            self.ok += 1
-            self.tokens += out["output_tokens"]
+            self.stats.captioned += 1
+            self.stats.tokens += out["output_tokens"]
         else:
+            self.stats.failed += 1
             self.failures.append((it.path, out["error"]))
             log(f"photon-caption: failed: {it.path}: {out['error']}")
-
-
-@dataclasses.dataclass
-class Summary:
-    """What a run did: the numbers of its last log line, for scripts and benchmarks.
-    Rates are over the captioning itself (first submission to last write, load excluded)."""
-    captioned: int = 0
-    failed: int = 0
-    skipped: int = 0          # done before this run
-    not_done: int = 0         # left by an interrupt or a device error
-    tokens: int = 0
-    seconds: float = 0.0
-    devices: int = 0
-    exit_code: int = EXIT_OK
-
-    @property
-    def images_per_s(self) -> float:
-        return self.captioned / (self.seconds or 1e-9)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / (self.seconds or 1e-9)
 
 
 def run(args) -> Summary:
@@ -441,11 +441,10 @@ def run(args) -> Summary:
             m.close()
         if jsonl:
             jsonl.close()
-    out = Summary(captioned=r.ok, failed=len(r.failures), skipped=skipped,
-                  not_done=len(todo) - r.ok - len(r.failures), tokens=r.tokens,
-                  seconds=r.elapsed, devices=len(devices),
-                  exit_code=EXIT_INTERRUPTED if interrupted else
-                  EXIT_FAILED if r.failures or fatal is not None else EXIT_OK)
+    out = dataclasses.replace(
+        r.stats, skipped=skipped, not_done=len(todo) - r.stats.captioned - r.stats.failed,
+        devices=len(devices), exit_code=EXIT_INTERRUPTED if interrupted else
+        EXIT_FAILED if r.failures or fatal is not None else EXIT_OK)
     if r.failures:
         log(f"photon-caption: {len(r.failures)} failed image(s):")
         for path, err in r.failures[:SHOW_FAILURES]:

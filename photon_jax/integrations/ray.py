@@ -65,10 +65,8 @@ class Captioner:
                                              length=self.length, settings=self.settings))
             except (ValueError, TypeError) as e:
                 started.append(e)
-        outs = [failure(h) if isinstance(h, Exception) else outcome(h) for h in started]
-        for o in outs:
-            if o["caption"] is not None:
-                o["caption"] = self.prepend + o["caption"] + self.append
+        outs = [failure(h) if isinstance(h, Exception) else
+                outcome(h, self.prepend, self.append) for h in started]
         out = {k: v for k, v in batch.items() if k != self.image_column or self.keep_image}
         for col in OUTPUT_COLUMNS:
             out[col] = np.array([o[col] for o in outs],
