@@ -25,6 +25,9 @@ from .reference import EncodedImage
 from .settings import parse
 from .tokenizer import spatial_refs_prompt
 
+NEED_IMAGE = ("image is required; pass a path, PIL image, HxWx3 uint8 array or an "
+              "EncodedImage")
+
 
 class BatchError(RuntimeError):
     """Some items of a list call failed.  `results[i]` is item i's output (None if it failed),
@@ -116,7 +119,7 @@ class Moondream:
             _check_strings(question, "question")
             make = self._query_maker(parse(settings), False, None)
         if image is None:
-            raise ValueError("image is required")
+            raise ValueError(NEED_IMAGE)
         return self.engine.submit(make(image, question))
 
     def query(self, image=None, question: str | list | None = None, *, reasoning: bool = False,
@@ -206,8 +209,7 @@ class Moondream:
         batch = isinstance(image, list) or not isinstance(args, _Shared)
         if not batch:
             if image is None and not optional_image:
-                raise ValueError("image is required; pass a path, PIL image, HxWx3 uint8 array "
-                                 "or an EncodedImage")
+                raise ValueError(NEED_IMAGE)
             h = engine.submit(make(image, args[0]))
             with _cancel_on_interrupt([h]):
                 if stream:

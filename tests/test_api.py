@@ -130,6 +130,11 @@ def test_bad_inputs(md, tmp_path):
         md.caption(12345)
     with pytest.raises(ValueError, match="object"):
         md.detect(LAND, "")
+    for call in (lambda: md.caption(None), lambda: md.start(None, question="w1")):
+        with pytest.raises(ValueError, match="image is required; pass a path"):
+            call()
+    with pytest.raises(ValueError, match="question"):
+        md.start(LAND, question=" ")
 
 
 def test_load_rejects_hf_folder_and_garbage(tmp_path):
