@@ -23,9 +23,9 @@ Further lines (full run, or the flags):
   "host_work"  pinned and default, batch 8: both loops with 0, 4, 16, 32 ms of synthetic
                host work per step; the parent writes bench/results/pipeline.json and, with
                matplotlib, bench/results/pipeline_gain.png (gain vs host share);
-  "zombies"    (first mode only) batch 1 and 32, three waves of requests with sampled output lengths (tiny
-               model, EOS calibrated to a mean of about 60 tokens): the share of computed
-               rows that belonged to finished sequences;
+  "zombies"    (first mode only) batch 1 and 32, three waves of requests with sampled
+               output lengths (tiny model, EOS calibrated to a mean of about 60 tokens): the
+               share of computed rows that belonged to finished sequences;
   "busy"       the device's busy fraction in each loop, from a `jax.profiler` trace.
 
 Modes, each in its own subprocess (pinning must happen before JAX starts its threads):
