@@ -130,6 +130,9 @@ def test_output_dir_query_mode_and_affixes(tiny_ckpt, tmp_path, md):
         assert not os.path.exists(os.path.splitext(p)[0] + ".txt")   # nothing beside images
     recs = read_jsonl(jl)
     assert {r["prompt"] for r in recs} == {q} and len(recs) == len(paths)
+    for r in recs:   # the JSONL holds the same text as the sidecar, affixes included
+        rel = os.path.relpath(os.path.splitext(r["path"])[0], d) + ".txt"
+        assert r["caption"] == caption_of(out / rel)
 
 
 def test_no_sidecar_resumes_from_the_jsonl(tiny_ckpt, tmp_path):
