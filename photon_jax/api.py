@@ -2,7 +2,7 @@
 `encode_image`, and `segment` for Moondream 3; the same argument names, settings keys and
 return dicts).  The model kind (Moondream 2 or 3) comes from the checkpoint's config.
 
-Every call runs through the one pipelined `Engine` of this `Moondream` (DESIGN.md 3).  Each
+Every call runs through the one pipelined `Engine` of this `Moondream` (docs/architecture.md).  Each
 method takes one image or a list: a list is submitted at once, runs as one continuous batch
 and returns `list[dict]` in input order (questions / objects: one shared string or a list of
 the same length).  If some items of a list fail, the call raises `BatchError` after every
@@ -18,10 +18,10 @@ import os
 import jax
 from tqdm.auto import tqdm
 
-from . import reference
+from . import compile_cache as compile_cache_mod, memory
 from .engine import Engine, Request
+from .frontend import EncodedImage
 from .model import Model
-from .reference import EncodedImage
 from .settings import parse
 from .tokenizer import spatial_refs_prompt
 
@@ -47,20 +47,59 @@ class Moondream:
 
     @classmethod
     def load(cls, path, *, dtype=None, pipelined: bool = True, max_batch_size: int = 32,
-             max_context: int | None = None, device=None, workers: int = 2) -> "Moondream":
+             max_context: int | None = None, kv_cache_tokens: int | None = None,
+             prefix_cache: bool = True, device=None, workers: int = 2,
+             compile_cache: bool = True, warmup: bool = False) -> "Moondream":
         """Load a checkpoint directory written by `photon-convert` and start its engine.
 
         dtype: None keeps the checkpoint's dtype; "bfloat16" or "float32" casts on load.
         pipelined: False selects the blocking twin of the engine (no overlap; same results).
-        max_batch_size: rows decoded together (the KV cache holds this many sequences).
-        max_context: KV positions per sequence (None = the model's context).
+        max_batch_size: rows decoded together.
+        max_context: the longest sequence (prompt + output) one request may reach (None =
+            the model's context); it reserves nothing.
+        kv_cache_tokens: positions the paged KV pool holds, shared by every request and the
+            image-prefix cache (None: most of the free device memory on an accelerator, room
+            for max_batch_size full-context sequences on CPU).  A request reserves pages for
+            its prompt + max_tokens when it starts; requests that do not fit now wait.
+        prefix_cache: keep image prefixes in the pool and reuse them when the same image
+            comes again (results are identical either way).
         device: a `jax.Device`, a device index, or None for the default device.
         workers: threads that decode and crop images ahead of the device.
+        compile_cache: keep compiled programs in JAX's persistent cache (`compile_cache`),
+            so the next load compiles nothing it compiled before.
+        warmup: compile before returning every decode shape, the sampling variants, the
+            common prefill shapes and the vision encoder for common photo layouts, so the
+            first requests do not wait for the compiler (with a warm compile cache this
+            mostly reads the cache).
         Nothing is downloaded: the directory holds the weights, config and tokenizer.
         """
-        model = Model.load(os.fspath(path), dtype=dtype, device=device)
-        return cls(model, Engine(model, max_batch_size=max_batch_size, max_context=max_context,
-                                 pipelined=pipelined, workers=workers))
+        if compile_cache:
+            compile_cache_mod.enable()
+        def preflight(cfg, dev):
+            # Weights + pool + slots + workspace against the device's free memory, before
+            # a byte of the weights is placed: refused with the numbers, not mid-run.  (Bad
+            # argument types are left to the engine, whose errors name them.)
+            if not isinstance(max_batch_size, int) or not isinstance(max_context or 0, int):
+                return
+            memory.check(memory.plan(cfg, platform=dev.platform,
+                                     max_batch_size=max_batch_size,
+                                     max_context=max_context or cfg.text.max_context,
+                                     page_size=64, kv_cache_tokens=kv_cache_tokens,
+                                     free=memory.device_free(dev)),
+                         cfg, max_context=max_context or cfg.text.max_context,
+                         weights_loaded=False)
+
+        model = Model.load(os.fspath(path), dtype=dtype, device=device, preflight=preflight)
+        engine = Engine(model, max_batch_size=max_batch_size, max_context=max_context,
+                        kv_cache_tokens=kv_cache_tokens, prefix_cache=prefix_cache,
+                        pipelined=pipelined, workers=workers, warmup=warmup)
+        if warmup:
+            try:
+                engine.wait_warm()
+            except BaseException:
+                engine.close()
+                raise
+        return cls(model, engine)
 
     @property
     def config(self):
@@ -94,12 +133,14 @@ class Moondream:
     # -- skills -------------------------------------------------------------------------
 
     def encode_image(self, image) -> EncodedImage | list[EncodedImage]:
-        """Encode once, query many times: the result (the image prefix's KV) is accepted by
-        every method in place of an image.  Valid for this loaded model only; do not persist
-        it across versions."""
-        if isinstance(image, list):
-            return [reference.encode_image(self._m, x) for x in image]
-        return reference.encode_image(self._m, image)
+        """Encode once, query many times: the image's prefix is computed into the engine's
+        KV pool and pinned there; the returned `EncodedImage` is accepted by every method of
+        this Moondream in place of the image.  `release()` it (or drop it) to unpin.  Valid
+        for this loaded model only; not a persistence format."""
+        images = image if isinstance(image, list) else [image]
+        handles = [self.engine.encode(x) for x in images]
+        out = [h.result() for h in handles]
+        return out if isinstance(image, list) else out[0]
 
     def caption(self, image, length: str = "normal", *, stream: bool = False,
                 settings: dict | None = None, progress: bool = False):

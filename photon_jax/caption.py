@@ -281,6 +281,8 @@ class Summary:
     seconds: float = 0.0
     devices: int = 0
     exit_code: int = EXIT_OK
+    load_seconds: float = 0.0         # Moondream.load (weights, engine, warm-up if asked)
+    first_result_seconds: float | None = None   # from the first submission to the first write
 
     @property
     def images_per_s(self) -> float:
@@ -336,6 +338,8 @@ class Run:
                     busy[e] -= 1
                     refill(e)
                     self.record(it, h, lambda m: bar.write(m, file=sys.stderr))
+                    if self.stats.first_result_seconds is None:
+                        self.stats.first_result_seconds = time.perf_counter() - t0
                     bar.update(1)
                     dt = time.perf_counter() - t0
                     bar.set_postfix_str(f"{self.stats.tokens / dt:.1f} tok/s, "
@@ -384,6 +388,10 @@ def run(args) -> Summary:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    for flag in ("kv_cache_tokens", "max_context"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
     if args.no_sidecar and not args.jsonl:
         raise UsageError("--no-sidecar needs --jsonl FILE, or nothing would be written")
     if args.no_sidecar and args.output_dir:
@@ -419,7 +427,7 @@ def run(args) -> Summary:
     from .engine import EngineError
 
     devices = parse_devices(args.devices)
-    t_load = time.perf_counter()
+    t_load, load_s = time.perf_counter(), 0.0
     models = []
     interrupted, fatal = False, None
     r = Run(args, todo, sidecars, jsonl)
@@ -427,10 +435,14 @@ def run(args) -> Summary:
         for d in devices:
             models.append(Moondream.load(args.model, dtype=args.dtype, device=d,
                                          max_batch_size=args.batch_size,
-                                         workers=args.workers))
-        t_load = time.perf_counter() - t_load
+                                         max_context=args.max_context,
+                                         kv_cache_tokens=args.kv_cache_tokens,
+                                         prefix_cache=not args.no_prefix_cache,
+                                         compile_cache=not args.no_compile_cache,
+                                         warmup=args.warmup, workers=args.workers))
+        load_s = time.perf_counter() - t_load
         log(f"photon-caption: {len(todo)} image(s) to do, {skipped} already done; model "
-            f"loaded on {len(devices)} device(s) in {t_load:.1f} s")
+            f"loaded on {len(devices)} device(s) in {load_s:.1f} s")
         r.execute(models, log)
     except KeyboardInterrupt:
         interrupted = True
@@ -443,7 +455,8 @@ def run(args) -> Summary:
             jsonl.close()
     out = dataclasses.replace(
         r.stats, skipped=skipped, not_done=len(todo) - r.stats.captioned - r.stats.failed,
-        devices=len(devices), exit_code=EXIT_INTERRUPTED if interrupted else
+        devices=len(devices), load_seconds=load_s,
+        exit_code=EXIT_INTERRUPTED if interrupted else
         EXIT_FAILED if r.failures or fatal is not None else EXIT_OK)
     if r.failures:
         log(f"photon-caption: {len(r.failures)} failed image(s):")
@@ -516,7 +529,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="'all' (one engine per local device, images dealt round-robin) or "
                          "device indices such as 0 or 0,1")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
-                    help="compute dtype (default: the checkpoint's)")
+                    help="compute dtype (default: the checkpoint's on an accelerator, float32 "
+                         "on CPU, where XLA runs bfloat16 slower)")
+    ap.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
+                    help="positions of the paged KV pool shared by every request (default: "
+                         "most of the free device memory on an accelerator; room for "
+                         "--batch-size full-context sequences on CPU)")
+    ap.add_argument("--max-context", type=int, default=None, metavar="N",
+                    help="the longest sequence (image + prompt + caption) a request may "
+                         "reach (default: the model's); it reserves no memory")
+    ap.add_argument("--no-compile-cache", action="store_true",
+                    help="do not use JAX's persistent compilation cache (default: on, in "
+                         "$JAX_COMPILATION_CACHE_DIR or ~/.cache/photon_jax/xla)")
+    ap.add_argument("--warmup", action="store_true",
+                    help="compile every decode shape, the sampling variants, the common "
+                         "prefill shapes and common photo layouts before the first image "
+                         "(steady speed from the start; with a warm compile cache it is "
+                         "cheap)")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="do not keep image prefixes for reuse (only helps when images repeat, "
+                         "e.g. several --prompt runs over the same folder)")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="threads decoding and cropping images, per device")
     ap.add_argument("--quiet", "-q", action="store_true", help="no progress bar")

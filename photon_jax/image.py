@@ -135,6 +135,13 @@ class Crops:
     tiling: tuple[int, int]    # (rows, cols) of local tiles; C = 1 + rows * cols
 
 
+def crop_tiling(height: int, width: int, cfg: VisionConfig) -> tuple[int, int]:
+    """(rows, cols) of the local tiles `make_crops` cuts from an image of this size."""
+    margin = cfg.enc_patch_size * cfg.overlap_margin
+    window = (cfg.grid - 2 * cfg.overlap_margin) * cfg.enc_patch_size
+    return select_tiling(height - 2 * margin, width - 2 * margin, window, cfg.max_crops)
+
+
 def make_crops(image: Image.Image, cfg: VisionConfig) -> Crops:
     """Global crop + overlapping local tiles (uint8), as the reference's PIL fallback does."""
     arr = np.asarray(image)
@@ -142,7 +149,7 @@ def make_crops(image: Image.Image, cfg: VisionConfig) -> Crops:
     patch, base = cfg.enc_patch_size, cfg.crop_size
     margin = patch * cfg.overlap_margin
     window = (cfg.grid - 2 * cfg.overlap_margin) * patch
-    th, tw = select_tiling(h - 2 * margin, w - 2 * margin, window, cfg.max_crops)
+    th, tw = crop_tiling(h, w, cfg)
     crops = np.zeros((1 + th * tw, base, base, arr.shape[2]), np.uint8)
     pil = Image.fromarray(arr)
     resized = np.asarray(pil.resize((tw * window + 2 * margin, th * window + 2 * margin),

@@ -1,12 +1,17 @@
-"""A loaded model: config, params on one device, compiled programs and the tokenizer."""
+"""A loaded model: config, params on one device, compiled programs and the tokenizer.
+
+The params keep the text layers as lists of per-layer dicts (`text.unstack_layers`): the
+serving programs unroll the layer loop over them.  `attention` picks the decode attention
+(`step.ATTENTION`); by default the Pallas kernel on GPU, the XLA sweep elsewhere."""
 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import jax
 
-from . import checkpoint, step
+from . import checkpoint, step, text
 from .config import MoondreamConfig
 from .dtypes import canonical
 from .tokenizer import Prompts, load_tokenizer
@@ -25,21 +30,38 @@ def resolve_device(device):
     raise TypeError(f"device must be a jax.Device, an index or None, got {device!r}")
 
 
+def cpu_dtype(stored: str) -> str:
+    """The compute dtype of a checkpoint on CPU when none is asked for: float32.  XLA:CPU has
+    no bfloat16 matmul on most x86 CPUs and converts operands in every step, so a bfloat16
+    model decodes slower than the same model in float32 (`bench/caption.py`)."""
+    return "float32"
+
+
 class Model:
-    def __init__(self, cfg: MoondreamConfig, params: dict, tokenizer, device=None):
+    def __init__(self, cfg: MoondreamConfig, params: dict, tokenizer, device=None,
+                 attention: str | None = None):
         self.cfg = cfg
-        self.params = params
+        self.params = text.unstack_layers(params)
         self.device = resolve_device(device)
-        self.programs = step.build(cfg)
+        self.attention = attention or step.default_attention(self.device.platform)
+        self.programs = step.build(cfg, self.attention,
+                                   grouped=step.default_grouped(self.device.platform))
         self.prompts = Prompts(tokenizer, cfg.tokenizer)
 
     @classmethod
-    def load(cls, path: str, *, dtype=None, device=None) -> "Model":
+    def load(cls, path: str, *, dtype=None, device=None,
+             preflight: Callable[[MoondreamConfig, jax.Device], None] | None = None
+             ) -> "Model":
+        """dtype None: the checkpoint's dtype on an accelerator; float32 on CPU (`cpu_dtype`).
+        `preflight(cfg, device)` runs before any weight is read (the memory check)."""
         path = os.fspath(path)
         cfg = checkpoint.read_config(path)
-        if dtype is not None:
-            cfg = cfg.with_dtype(canonical(dtype))
         dev = resolve_device(device)
-        params = checkpoint.restore_params(path, cfg, device=dev)
+        cfg = cfg.with_dtype(canonical(dtype) if dtype is not None else
+                             cpu_dtype(cfg.dtype) if dev.platform == "cpu" else cfg.dtype)
+        if preflight is not None:
+            preflight(cfg, dev)
+        params = text.unstack_layers(checkpoint.restore_params(path, cfg, device=dev),
+                                     free=True)
         tok = load_tokenizer(os.path.join(path, "tokenizer.json"))
         return cls(cfg, params, tok, device=dev)

@@ -1,5 +1,5 @@
-"""The mixture-of-experts MLP of Moondream 3: routing, and the experts computed only for the
-(token, expert) pairs the router selected.
+"""The mixture-of-experts MLP of Moondream 3: routing, and schedules that compute the experts
+with no data-dependent control flow (so no host round trip inside a step on any backend).
 
 Routing (the reference's order): router logits = linear with bias, in the model dtype; take
 the top-k logits, then a softmax over those k only, in float32, cast back to the model dtype.
@@ -7,28 +7,27 @@ Expert e: h = x @ fc1[e] ([D, 2I], no bias), act = GELU_erf(h[:I]) * (h[I:] + 1)
 y = act @ fc2[e] ([I, D], no bias); the output is the weighted sum over the k experts.
 
 Parameters of one layer: {"router": linear [D, E], "fc1": [E, D, 2I], "fc2": [E, I, D]}
-(the checkpoint's [E, out, in] expert tensors are transposed once, by the converter).
+(the checkpoint's [E, out, in] expert tensors are transposed once, by the converter; a loaded
+model holds each layer's experts as their own arrays, so no layer's stack is ever sliced out
+of a bigger one).
 
-The schedule (one for prefill and decode alike): the A = tokens * k assignments are sorted
-by expert and laid out in blocks of `block` rows, each block holding rows of one expert only
-(a group's last block is padded with zero rows); a loop over the blocks actually used (a
-dynamic trip count) reads that block's expert weights and does one [block, D] x [D, 2I]
-and one [block, I] x [I, D] matmul.  Experts nobody chose are never read; work is at most
-A + E * (block - 1) rows instead of tokens * E.  `block` is the mean rows per expert rounded
-down to a power of two (1 below two rows per expert, e.g. a decode step of a few rows: one
-expert application per assignment; up to 64 in prefill), so padding at most doubles the work.
-Not measured on an accelerator, where each block iteration is a kernel launch: a grouped
-matmul kernel would be the next step there.
+Schedules, chosen from static shapes (`schedule`):
 
-Why this one (CPU, the small_md3 layer: width 512, 32 experts, top-4, expert width 256;
-`bench/moe.py`): at 1 / 8 / 32 / 746 tokens it takes 0.5 / 3.0 / 6.1 / 30 ms against 16 / 27
-/ 30 / 162 ms for the dense all-experts product.  Rejected: gathering each assignment's
-expert weights into one batched matmul copies A weight matrices (54 ms at 8 tokens, slower
-than dense); one batched matmul over all blocks with per-block gathered weights was no
-faster than dense at 746 tokens; `jax.lax.ragged_dot` lowers, on CPU (jax 0.10), to a
-masked product over every group, i.e. all experts for every token (24 / 30 / 51 / 573 ms).
-`dense_reference` (every expert for every token, then the top-k mix) exists for tests and
-benchmarks only.
+- decode (N <= DECODE_TOKENS tokens): every expert's weights are read at most once.
+  `dense`: all E experts for every token, then the top-k mix -- when the step selects most
+  experts (expected distinct selected experts d = E (1 - (1 - k/E)^N), 3d >= E).  `gather`:
+  the distinct selected experts (a static U = min(E, N k) slots; `jnp.unique` pads the
+  sorted list past the last id when fewer are distinct) are gathered and applied to every token -- when few are
+  selected: reading U experts (and writing and reading their gathered copy) costs less than
+  reading all E.
+- prefill: `ragged` (`jax.lax.ragged_dot`, a grouped matmul over the assignments sorted by
+  expert: XLA:GPU's grouped GEMM) on GPU; on CPU, where ragged_dot is a masked product over
+  every expert, `blocks`: the assignments sorted by expert in blocks of `block` rows of one
+  expert each, and a loop over a static number of blocks (an upper bound: the used ones plus
+  at most one padded block per expert) that applies each block's expert.
+
+`bench/moe.py` measures every schedule (ms and bytes accessed) at 1, 8, 32 and 746 tokens.
+`dense_reference` is `dense` by another name, kept as the tests' formula.
 """
 
 from __future__ import annotations
@@ -74,13 +73,47 @@ def block_size(n_assign: int, n_experts: int) -> int:
     return b
 
 
-def _apply_experts(p, x_ND, ids_NK, block: int):
-    """[N, k, D] expert outputs of every (token, expert) assignment, by the block loop."""
-    n, k = ids_NK.shape
-    e = p["fc1"].shape[0]
-    inner = p["fc2"].shape[1]
-    d = x_ND.shape[1]
+DECODE_TOKENS = 64
+SCHEDULES = ("dense", "gather", "blocks", "ragged")
+
+
+def schedule(n_tokens: int, n_experts: int, k: int, grouped: str = "blocks") -> str:
+    """The schedule for a call on n_tokens tokens (static): see the module docstring."""
+    if n_tokens > DECODE_TOKENS:
+        return grouped
+    distinct = n_experts * (1 - (1 - k / n_experts) ** n_tokens)
+    return "dense" if 3 * distinct >= n_experts else "gather"
+
+
+def _experts(x_ND, fc1_EDF, fc2_EFD):
+    """[N, E, D]: every given expert applied to every token."""
     prec = matmul_precision(x_ND.dtype)
+    h = jnp.einsum("nd,edf->nef", x_ND, fc1_EDF, precision=prec,
+                   preferred_element_type=F32).astype(x_ND.dtype)
+    return jnp.einsum("nef,efd->ned", _activation(h, fc2_EFD.shape[1]), fc2_EFD,
+                      precision=prec, preferred_element_type=F32).astype(x_ND.dtype)
+
+
+def _dense(p, x_ND, ids_NK):
+    return jnp.take_along_axis(_experts(x_ND, p["fc1"], p["fc2"]), ids_NK[..., None], axis=1)
+
+
+def _gather(p, x_ND, ids_NK):
+    n, k = ids_NK.shape
+    u = min(p["fc1"].shape[0], n * k)
+    e = p["fc1"].shape[0]
+    # Sorted, padded at the end with E (past every id), so searchsorted finds each id among
+    # the real entries; the padding slots compute expert E-1 again and are never picked.
+    uniq = jnp.unique(ids_NK.reshape(-1), size=u, fill_value=e)
+    safe = jnp.minimum(uniq, e - 1)
+    y = _experts(x_ND, p["fc1"][safe], p["fc2"][safe])
+    return jnp.take_along_axis(y, jnp.searchsorted(uniq, ids_NK)[..., None], axis=1)
+
+
+def _sorted_assignments(ids_NK, e: int, block: int):
+    """Assignments sorted by expert, laid out in blocks of one expert each: (order, dest
+    row of each sorted assignment, expert of each block, rows, blocks)."""
+    n, k = ids_NK.shape
     a = n * k
     flat = ids_NK.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -91,12 +124,23 @@ def _apply_experts(p, x_ND, ids_NK, block: int):
     pad_start = pad_end - padded
     sorted_start = jnp.cumsum(counts) - counts
     dest = pad_start[expert] + jnp.arange(a, dtype=jnp.int32) - sorted_start[expert]
+    # Static bound: the assignments, plus at most one partly filled block per expert used.
     n_blocks = -(-(a + min(e, a) * (block - 1)) // block)
-    rows = n_blocks * block
-    xs = jnp.zeros((rows, d), x_ND.dtype).at[dest].set(x_ND[order // k])
     block_expert = jnp.minimum(
         jnp.searchsorted(pad_end, jnp.arange(n_blocks, dtype=jnp.int32) * block, side="right"),
         e - 1)
+    return order, dest, block_expert, counts, n_blocks
+
+
+def _blocks(p, x_ND, ids_NK, unroll: bool = False):
+    n, k = ids_NK.shape
+    e, d = p["fc1"].shape[0], x_ND.shape[1]
+    prec = matmul_precision(x_ND.dtype)
+    inner = p["fc2"].shape[1]
+    block = block_size(n * k, e)
+    order, dest, block_expert, _, n_blocks = _sorted_assignments(ids_NK, e, block)
+    rows = n_blocks * block
+    xs = jnp.zeros((rows, d), x_ND.dtype).at[dest].set(x_ND[order // k])
 
     def body(i, y):
         ex = block_expert[i]
@@ -107,19 +151,41 @@ def _apply_experts(p, x_ND, ids_NK, block: int):
                         preferred_element_type=F32).astype(x_ND.dtype)
         return jax.lax.dynamic_update_slice_in_dim(y, yb, i * block, 0)
 
-    y = jax.lax.fori_loop(0, pad_end[-1] // block, body, jnp.zeros((rows, d), x_ND.dtype))
+    # A static trip count: blocks past the used ones apply the last expert to zero rows
+    # nobody reads.
+    y = jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((rows, d), x_ND.dtype), unroll=unroll)
     y_sorted = y[dest]
-    y_assign = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
-    return y_assign.reshape(n, k, -1)
+    return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
 
 
-def moe_mlp(p, x_TD, k: int, with_routes: bool = False):
+def _ragged(p, x_ND, ids_NK):
+    n, k = ids_NK.shape
+    e = p["fc1"].shape[0]
+    prec = matmul_precision(x_ND.dtype)
+    flat = ids_NK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    counts = jnp.zeros(e, jnp.int32).at[flat].add(1)
+    h = jax.lax.ragged_dot(x_ND[order // k], p["fc1"], counts, precision=prec,
+                           preferred_element_type=F32).astype(x_ND.dtype)
+    y = jax.lax.ragged_dot(_activation(h, p["fc2"].shape[1]), p["fc2"], counts,
+                           precision=prec, preferred_element_type=F32).astype(x_ND.dtype)
+    return jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
+
+
+_APPLY = {"dense": _dense, "gather": _gather, "blocks": _blocks, "ragged": _ragged}
+
+
+def moe_mlp(p, x_TD, k: int, with_routes: bool = False, grouped: str = "blocks",
+            schedule_: str | None = None, unroll: bool = False):
     """The mixture-of-experts MLP on [..., D] inputs; `with_routes` also returns the routing
-    (ids, weights), each [..., k]."""
+    (ids, weights), each [..., k].  `grouped`: the prefill schedule ("blocks" on CPU,
+    "ragged" on GPU); `schedule_` forces one (tests, benchmarks); `unroll` unrolls the block
+    loop (so XLA's cost analysis, which counts a loop body once, sees every block)."""
     lead, d = x_TD.shape[:-1], x_TD.shape[-1]
     x = x_TD.reshape(-1, d)
     ids, w = route(p, x, k)
-    y = _apply_experts(p, x, ids, block_size(x.shape[0] * k, p["fc1"].shape[0]))
+    how = schedule_ or schedule(x.shape[0], p["fc1"].shape[0], k, grouped)
+    y = _blocks(p, x, ids, unroll) if how == "blocks" else _APPLY[how](p, x, ids)
     out = _mix(y, w, x.dtype).reshape(*lead, d)
     if with_routes:
         return out, (ids.reshape(*lead, k), w.reshape(*lead, k))
@@ -128,15 +194,5 @@ def moe_mlp(p, x_TD, k: int, with_routes: bool = False):
 
 def dense_reference(p, x_TD, k: int):
     """Every expert for every token, then the top-k mix: the straightforward formula the
-    selected-experts schedule is tested (and benchmarked) against."""
-    lead, d = x_TD.shape[:-1], x_TD.shape[-1]
-    x = x_TD.reshape(-1, d)
-    prec = matmul_precision(x.dtype)
-    inner = p["fc2"].shape[1]
-    ids, w = route(p, x, k)
-    h = jnp.einsum("nd,edf->nef", x, p["fc1"], precision=prec,
-                   preferred_element_type=F32).astype(x.dtype)
-    y = jnp.einsum("nef,efd->ned", _activation(h, inner), p["fc2"], precision=prec,
-                   preferred_element_type=F32).astype(x.dtype)
-    y = jnp.take_along_axis(y, ids[..., None], axis=1)
-    return _mix(y, w, x.dtype).reshape(*lead, d)
+    other schedules are tested (and benchmarked) against."""
+    return moe_mlp(p, x_TD, k, schedule_="dense")

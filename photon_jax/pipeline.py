@@ -1,6 +1,6 @@
 """The pipeline state machine: which steps are in flight, in which slot, in which order.
 
-Pure Python, no JAX (PHOTON.md 1.4).  A step goes through three states:
+Pure Python, no JAX (docs/architecture.md, "Engine invariants").  A step goes through three states:
 
     launched  (forward dispatched, not yet sampled)        -> `launch`        (at most one)
     pending   (sampled, host copy started, not committed)  -> `queue`         (FIFO)

@@ -14,19 +14,17 @@ states decode to, output parsed by `skills.parse_segment`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import image as image_mod
+from .frontend import ImagePrefix, encode_prepared, prepare_image
 from .model import Model
 from .settings import Settings
 from .skills import parse_segment, reasoning_result
-from .step import KIND_COORD, KIND_SIZE, KIND_TOKEN, kv_bucket, prompt_bucket
+from .meta import KIND_COORD, KIND_SIZE, KIND_TOKEN
+from .step import kv_bucket, prompt_bucket
 from .streaming import TextStreamer
+from .tokenizer import region_inputs
 from .text import init_cache
 
 _I32 = np.int32
@@ -36,48 +34,9 @@ class ContextOverflow(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class EncodedImage:
-    """The image prefix (BOS + image tokens) as per-layer K/V: [L, 730, K, H] each.
-
-    Reusable across calls on the same loaded model; not a persistence format (it depends on
-    this version's cache layout and the model's dtype)."""
-    k: jax.Array
-    v: jax.Array
-    tiling: tuple[int, int]
-
-    @property
-    def pos(self) -> int:
-        return self.k.shape[1]
-
-
-@dataclass(frozen=True)
-class PreparedImage:
-    """An image's crops and pooling operands, already uploaded: what the device needs to
-    encode it.  Built on any thread (the engine uses worker threads)."""
-    crops: jax.Array   # [C, crop, crop, 3] uint8
-    src: jax.Array
-    ph: jax.Array
-    pw: jax.Array
-    tiling: tuple[int, int]
-
-
-def prepare_image(model: Model, img) -> PreparedImage:
-    """Decode + crop on the host, then explicit uploads (no implicit transfer later)."""
-    crops = image_mod.make_crops(image_mod.load_image(img), model.cfg.vision)
-    src, ph, pw = image_mod.pool_operands(crops.tiling, model.cfg.vision)
-    put = partial(jax.device_put, device=model.device)
-    return PreparedImage(put(crops.crops), put(src), put(ph), put(pw), crops.tiling)
-
-
-def encode_prepared(model: Model, prep: PreparedImage) -> EncodedImage:
-    """Device only (asynchronous): vision encoder, projection and the image prefix KV."""
-    k, v = model.programs.image_kv(model.params, prep.crops, prep.src, prep.ph, prep.pw)
-    return EncodedImage(k, v, prep.tiling)
-
-
-def encode_image(model: Model, img, trace: dict | None = None) -> EncodedImage:
-    if isinstance(img, EncodedImage):
+def encode_image(model: Model, img, trace: dict | None = None) -> ImagePrefix:
+    """An image's prefix K/V, dense (an `ImagePrefix` is returned as is)."""
+    if isinstance(img, ImagePrefix):
         return img
     prep = prepare_image(model, img)
     enc = encode_prepared(model, prep)
@@ -94,7 +53,7 @@ class _Session:
     the MoE routing of the prompt's last position and of every decode step is collected in
     `self.routes`."""
 
-    def __init__(self, model: Model, enc: EncodedImage | None, routes: bool = False):
+    def __init__(self, model: Model, enc: ImagePrefix | None, routes: bool = False):
         self.m, self.P, self.cfg = model, model.programs, model.cfg
         self.routes = [] if routes and self.cfg.text.n_moe else None
         self.cache = init_cache(self.cfg, rows=1)
@@ -161,31 +120,18 @@ class _Session:
         return h, lg
 
 
-def region_inputs(ids: list[int], region, tok_cfg):
-    """Per prompt position: kind (token / coord / size) and value, for spatial refs (the
-    reference replaces the embeddings of the prompt's coord and size tokens)."""
-    kinds = np.zeros(len(ids), _I32)
-    values = np.zeros((len(ids), 2), np.float32)
-    slots = [i for i, t in enumerate(ids) if t in (tok_cfg.coord_id, tok_cfg.size_id)]
-    if len(slots) != len(region):
-        raise ValueError(f"{len(region)} spatial values for {len(slots)} coord/size tokens")
-    for i, v in zip(slots, region):
-        kinds[i] = KIND_COORD if ids[i] == tok_cfg.coord_id else KIND_SIZE
-        values[i] = v
-    return kinds, values
-
-
 class _Sampler:
     """The reference's sampling of one request: token i uses key (seed, i)."""
 
     def __init__(self, model: Model, s: Settings):
         self.P = model.programs
+        self.prog = self.P.sample if s.temperature > 0 else self.P.greedy
         self.samp = (np.full(1, s.temperature, np.float32), np.full(1, s.top_p, np.float32),
                      np.full(1, s.seed, _I32))
 
     def __call__(self, lg, ban: list[int], index: int) -> int:
         b = np.array([ban or [-1]], _I32)
-        return int(self.P.sample(lg, b, *self.samp, np.full(1, index, _I32))[0])
+        return int(self.prog(lg, b, *self.samp, np.full(1, index, _I32))[0])
 
 
 def _reason(model: Model, sess: _Session, h, lg, s: Settings, sample: _Sampler):
@@ -226,7 +172,7 @@ def _reason(model: Model, sess: _Session, h, lg, s: Settings, sample: _Sampler):
     return lg, i + 1, reasoning_result(model.prompts.decode, chunks, coords), finish
 
 
-def iter_text(model: Model, enc: EncodedImage | None, prompt: list[int], s: Settings,
+def iter_text(model: Model, enc: ImagePrefix | None, prompt: list[int], s: Settings,
               trace: dict | None = None, region=None, reasoning: bool = False):
     """Caption / query answer as a generator of flushed text pieces (the reference's streaming
     rules).  Its return value (StopIteration.value) is {"text", "ids", "finish_reason"} and,
@@ -277,7 +223,7 @@ def iter_text(model: Model, enc: EncodedImage | None, prompt: list[int], s: Sett
     return {"text": "".join(pieces), "ids": ids, "finish_reason": finish, **extra}
 
 
-def generate_text(model: Model, enc: EncodedImage | None, prompt: list[int], s: Settings,
+def generate_text(model: Model, enc: ImagePrefix | None, prompt: list[int], s: Settings,
                   trace: dict | None = None, region=None, reasoning: bool = False) -> dict:
     """iter_text run to completion: {"text", "ids", "finish_reason"[, "reasoning"]}."""
     gen = iter_text(model, enc, prompt, s, trace, region, reasoning)
@@ -288,7 +234,7 @@ def generate_text(model: Model, enc: EncodedImage | None, prompt: list[int], s: 
             return stop.value
 
 
-def generate_points(model: Model, enc: EncodedImage, prompt: list[int], *, with_size: bool,
+def generate_points(model: Model, enc: ImagePrefix, prompt: list[int], *, with_size: bool,
                     max_objects: int, trace: dict | None = None) -> dict:
     """detect (with_size) / point.  Returns {"objects": [...], "bins": [...],
     "finish_reason"}."""
@@ -338,7 +284,7 @@ def generate_points(model: Model, enc: EncodedImage, prompt: list[int], *, with_
     return {"objects": objects, "bins": bins, "finish_reason": finish}
 
 
-def generate_segment(model: Model, enc: EncodedImage, prompt: list[int], s: Settings,
+def generate_segment(model: Model, enc: ImagePrefix, prompt: list[int], s: Settings,
                      region=None) -> dict:
     """Moondream 3 segment, one request: {"path", "bbox", "ids", "finish_reason"}.  Tokens
     are sampled freely; a coord / size id is fed back as the coordinate / size decoded from

@@ -1,14 +1,32 @@
-"""Token sampling: greedy, or temperature + top-p exactly as the reference filters.
+"""Token sampling: greedy, or temperature + top-p exactly as the reference filters, over a
+candidate set instead of a sort of the whole vocabulary.
 
 Randomness is a pure function of (request seed, token index): the key for a row's token i is
 fold_in(PRNGKey(seed), i).  A row's draw therefore never depends on batch composition,
 timing or mode (pipelined, blocking, one request at a time).
+
+Top-p.  The reference sorts the probabilities, keeps every token whose cumulative mass
+*before* it is at most top_p, and draws among them (`jax.random.categorical`, i.e. the
+argmax of log-probability + Gumbel noise, one noise value per sorted position).  Here the
+`candidates` most probable tokens (`lax.top_k`: the same order as a stable descending sort)
+take the place of the full sort.  Whenever the nucleus fits in the candidates -- the mass
+of the first `candidates` tokens exceeds top_p -- the kept set is the same, and so is the
+draw: JAX's partitionable threefry (its default) makes the Gumbel noise of the first n
+positions of a length-V sample equal to a length-n sample from the same key, which
+`tests/test_sampling.py` checks against the full sort.  When the nucleus is larger, the draw
+is among the `candidates` most probable tokens (a documented cap: `Engine(...,
+top_p_candidates=)`, default 256).
+
+Whether any row samples is known on the host, so the greedy path is a separate program
+variant (`step.build`), not a device-side branch.
 """
 
 import jax
 import jax.numpy as jnp
 
 from .dtypes import F32
+
+DEFAULT_CANDIDATES = 256
 
 
 def apply_bans(logits_RV, ban_RB):
@@ -19,35 +37,41 @@ def apply_bans(logits_RV, ban_RB):
     return jnp.where(banned, -jnp.inf, logits_RV)
 
 
-def _top_p_draw(logits_V, temperature, top_p, key):
-    probs = jax.nn.softmax(logits_V / temperature)
-    order = jnp.argsort(-probs, stable=True)
-    sorted_p = probs[order]
-    cum = jnp.cumsum(sorted_p)
+def greedy(logits_RV):
+    """argmax (lowest id on ties)."""
+    return jnp.argmax(logits_RV, axis=-1).astype(jnp.int32)
+
+
+def _top_p_draw(logits_V, temperature, top_p, key, candidates: int):
+    # The reference's softmax over the whole vocabulary (O(V): no sort), then its descending
+    # order restricted to the most probable `candidates` (top_k breaks ties by the lower id,
+    # as the reference's stable sort does).
+    probs, ids = jax.lax.top_k(jax.nn.softmax(logits_V / temperature), candidates)
+    cum = jnp.cumsum(probs)
     # Drop every entry whose cumulative mass *before* it already exceeds top_p.
-    kept = jnp.where(cum - sorted_p > top_p, 0.0, sorted_p)
+    kept = jnp.where(cum - probs > top_p, 0.0, probs)
     kept = kept / kept.sum()
     idx = jax.random.categorical(key, jnp.log(kept))
-    return order[idx]
+    return ids[idx]
 
 
-def draw(logits_RV, temperature_R, top_p_R, seed_R, index_R):
-    """[R, V] float32 logits (bans already applied as -inf) -> [R] int32 token ids.
-    temperature 0 means argmax (lowest id on ties).  When no row samples, the top-p path
-    (a sort over the vocabulary per row) is skipped on the device, not on the host."""
-    greedy = jnp.argmax(logits_RV, axis=-1).astype(jnp.int32)
-
-    def stochastic(_):
-        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(
-            seed_R, index_R)
-        safe_t = jnp.where(temperature_R > 0, temperature_R, 1.0)
-        drawn = jax.vmap(_top_p_draw)(logits_RV, safe_t, top_p_R, keys).astype(jnp.int32)
-        return jnp.where(temperature_R > 0, drawn, greedy)
-
-    return jax.lax.cond(jnp.any(temperature_R > 0), stochastic, lambda _: greedy, None)
+def draw(logits_RV, temperature_R, top_p_R, seed_R, index_R,
+         candidates: int = DEFAULT_CANDIDATES):
+    """[R, V] float32 logits (bans already applied as -inf) -> [R] int32 token ids: rows with
+    temperature 0 take the argmax, the others a top-p draw.  (For an all-greedy step call
+    `greedy`: this computes both.)"""
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seed_R, index_R)
+    safe_t = jnp.where(temperature_R > 0, temperature_R, 1.0)
+    k = min(candidates, logits_RV.shape[-1])
+    drawn = jax.vmap(lambda lg, t, p, key: _top_p_draw(lg, t, p, key, k))(
+        logits_RV, safe_t, top_p_R, keys).astype(jnp.int32)
+    return jnp.where(temperature_R > 0, drawn, greedy(logits_RV))
 
 
-def sample(logits_RV, ban_RB, temperature_R, top_p_R, seed_R, index_R):
-    """-> [R] int32 token ids, with the listed ids banned."""
-    return draw(apply_bans(logits_RV.astype(F32), ban_RB), temperature_R, top_p_R, seed_R,
-                index_R)
+def sample(logits_RV, ban_RB, temperature_R, top_p_R, seed_R, index_R, *,
+           stochastic: bool = True, candidates: int = DEFAULT_CANDIDATES):
+    """-> [R] int32 token ids, with the listed ids banned (the one-request path)."""
+    lg = apply_bans(logits_RV.astype(F32), ban_RB)
+    if not stochastic:
+        return greedy(lg)
+    return draw(lg, temperature_R, top_p_R, seed_R, index_R, candidates)

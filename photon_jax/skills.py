@@ -25,7 +25,8 @@ Semantics are the Moondream 2 reference's (normative, see `reference.py`):
 
 Every stopping rule except EOS (and `repeat_stop`) depends only on the token index and the
 committed tokens before it, so the engine predicts it at dispatch (`feedable`) and a capped
-request never rides an extra step as a zombie.
+request never rides an extra step as a zombie.  `budget` bounds the tokens a request may
+generate: the engine reserves KV pages for prompt + budget at admission.
 
 Constraint ids index the small device table built in `step.py`.
 """
@@ -75,6 +76,10 @@ class TextSkill:
         self.ids: list[int] = []
         self.pieces: list[str] = []
         self.count = 0   # tokens committed (including a final EOS)
+
+    @property
+    def budget(self) -> int:
+        return self.max_tokens
 
     def constraint(self, index: int) -> int:
         return FREE if index == 0 else BAN_ANSWER
@@ -195,6 +200,12 @@ class ReasoningSkill:
         self.start = 0      # index of the first answer token
         self.count = 0
 
+    @property
+    def budget(self) -> int:
+        # max_tokens of reasoning, the answer id (forced at the latest after them), and
+        # max_tokens of answer.
+        return 2 * self.max_tokens + 1
+
     def constraint(self, index: int) -> int:
         if self.answer is not None:
             return self.answer.constraint(index - self.start)
@@ -252,6 +263,11 @@ class PointsSkill:
         self.objects: list[dict] = []
         self.count = 0
         self._x = self._y = 0.0
+
+    @property
+    def budget(self) -> int:
+        # Whole objects up to max_objects, then the x step that ends it (EOS or the cap).
+        return self.per_object * self.max_objects + 1
 
     def constraint(self, index: int) -> int:
         return (SPATIAL_X, FORCE_COORD, FORCE_SIZE)[index % self.per_object]

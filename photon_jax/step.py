@@ -1,14 +1,20 @@
 """The one place that calls `jax.jit`: every device program of the model, compiled per config.
 
-`build(cfg)` returns a `Programs` bundle.  All functions take arrays positionally; static
-arguments are only the shape buckets (`kv_len`).  The KV cache is donated into every call that
-writes it and handed back, so it is updated in place.
+`build(cfg, attention)` returns a `Programs` bundle.  All functions take arrays positionally;
+static arguments are only shape buckets.  The KV pool (or cache) is donated into every call
+that writes it and handed back, so it is updated in place.
 
 The engine's programs are `forward` (decode R rows into a slot), `prefill_slot` (prompt
-prefill into a slot) and `sample_step` (constrained sampling of a slot's rows into the
-pending buffers): forward and sample are separate so the constraint of step t+1 can be
-built on the host after step t is committed.  `ceiling` iterates forward + sample inside one
-jitted loop: the device-only bound of the benchmark.
+prefill into a slot), `sample_step` (constrained sampling of a slot's rows into the pending
+buffers), `write_prefix` / `copy_pages` (an image prefix into pool pages, from its dense K/V
+or from the prefix cache's pages): forward and sample are separate so the constraint of step
+t+1 can be built on the host after step t is committed.  `ceiling` scans forward + sample
+over precomputed per-step metadata inside one jitted program: the device-only bound of the
+benchmark (a static trip count: no host round trip on any backend).
+
+`attention` selects the decode attention: "xla" (the in-place sweep of `kvpool`, every
+backend), "pallas" (JAX's Pallas GPU paged-attention kernel) or "pallas-interpret" (the same
+kernel run by the Pallas interpreter: tests on CPU).
 
 Input kinds of a decode row (`kind_R`): 0 = token id, 1 = coordinate value, 2 = size value.
 Detect/point feed region values back as embeddings, so one decode program serves text and
@@ -27,18 +33,18 @@ import jax.numpy as jnp
 import flax.struct
 import numpy as np
 
-from . import region, sampling, skills, text, vision
+from . import kvpool, region, sampling, skills, text, vision
 from .config import MoondreamConfig
 from .dtypes import F32, jnp_dtype
+from .kvpool import DecodeAccess, KVPool, PrefillAccess
+from .meta import (F_LAST, F_PREFIX, F_ROW, F_START, KIND_COORD, KIND_SIZE, KIND_TOKEN,
+                   M_OFF, M_PAGE, M_POS, M_ROW, M_TABLE, P_COUNT, P_OWNER)
+from .text import DenseAccess
 
-KIND_TOKEN, KIND_COORD, KIND_SIZE = 0, 1, 2
-
-# Rows of the per-step metadata array `meta_FR` (int32 [4, R]), uploaded once per launch.
-M_ROW, M_POS, M_PREFIX, M_LAST = range(4)
-# Rows of the per-step sampling array `samp_FR` (int32 [5 + A, R]), uploaded once per
-# finalize: constraint id, token index, seed, temperature and top_p (float32 bits), then A
-# rows of an optional per-row allowed-id set (-1 = unused).
-S_CONSTRAINT, S_INDEX, S_SEED, S_TEMP, S_TOP_P, S_ALLOW = range(6)
+# Rows of the per-step sampling array `samp_FR` (int32 [6 + A, R]), uploaded once per
+# finalize: the row's pending-buffer row, constraint id, token index, seed, temperature and
+# top_p (float32 bits), then A rows of an optional per-row allowed-id set (-1 = unused).
+S_ROW, S_CONSTRAINT, S_INDEX, S_SEED, S_TEMP, S_TOP_P, S_ALLOW = range(7)
 
 
 @flax.struct.dataclass
@@ -119,11 +125,11 @@ def _encode_image(params, crops_u8, src, ph, pw, *, cfg):
 
 
 def _prefill(params, cache, embeds_RTD, pos_RT, rows_R, prefix_R, last_R, kv_len, *, cfg,
-             with_routes=False):
-    """`with_routes` (parity traces): also the MoE routing at each row's last position,
-    (ids, weights) each [Lm, R, k]."""
+             with_routes=False, grouped="blocks"):
+    """Dense-cache prefill (the one-request path).  `with_routes` (parity traces): also the
+    MoE routing at each row's last position, (ids, weights) each [Lm, R, k]."""
     hidden, cache, routes = text.forward(params["text"], cfg.text, embeds_RTD, pos_RT, cache,
-                                         rows_R, prefix_R, kv_len, with_routes=True)
+                                         DenseAccess(rows_R, prefix_R, kv_len), grouped)
     last = jnp.take_along_axis(hidden, last_R[:, None, None], axis=1)[:, 0]
     out = (cache, hidden, last, text.logits(params["text"], last))
     if not with_routes:
@@ -134,11 +140,12 @@ def _prefill(params, cache, embeds_RTD, pos_RT, rows_R, prefix_R, last_R, kv_len
 
 
 def _decode(params, cache, kind_R, token_R, value_R2, pos_R, rows_R, prefix_R, kv_len, *, cfg,
-            with_routes=False):
-    """`with_routes` (parity traces): also the MoE routing, (ids, weights) each [Lm, R, k]."""
+            with_routes=False, grouped="blocks"):
+    """Dense-cache decode (the one-request path).  `with_routes` (parity traces): also the
+    MoE routing, (ids, weights) each [Lm, R, k]."""
     x = input_embeddings(params, cfg, kind_R, token_R, value_R2)[:, None]
     hidden, cache, routes = text.forward(params["text"], cfg.text, x, pos_R[:, None], cache,
-                                         rows_R, prefix_R, kv_len, with_routes=True)
+                                         DenseAccess(rows_R, prefix_R, kv_len), grouped)
     h = hidden[:, 0]
     out = (cache, h, text.logits(params["text"], h))
     if not with_routes:
@@ -146,14 +153,25 @@ def _decode(params, cache, kind_R, token_R, value_R2, pos_R, rows_R, prefix_R, k
     return (*out, jax.tree.map(lambda a: a[:, :, 0], routes))
 
 
-def _forward(params, cache, slot: Slot, pending: Pending, meta_FR, kv_len, *, cfg):
-    """One decode step for R rows: inputs gathered on the device from the pending buffers by
-    cache row (never through the host), logits and hidden written into the slot."""
+def decode_access(meta_FR, pages_2P, *, attention: str) -> DecodeAccess:
+    return DecodeAccess(page_R=meta_FR[M_PAGE], off_R=meta_FR[M_OFF],
+                        owner_P=pages_2P[P_OWNER], count_P=pages_2P[P_COUNT],
+                        pt_RM=meta_FR[M_TABLE:].T, length_R=meta_FR[M_POS] + 1,
+                        kernel=attention != "xla", interpret=attention == "pallas-interpret")
+
+
+def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_2P, *, cfg,
+             attention="xla", grouped="blocks"):
+    """One decode step for R rows over the arenas given: inputs gathered on the device from
+    the pending buffers by row (never through the host), logits and hidden into the slot."""
     rows = meta_FR[M_ROW]
-    cache, h, lg = _decode(params, cache, pending.kind[rows], pending.token[rows],
-                           pending.value[rows], meta_FR[M_POS], rows, meta_FR[M_PREFIX], kv_len,
-                           cfg=cfg)
-    return cache, _into_slot(slot, h, lg)
+    x = input_embeddings(params, cfg, pending.kind[rows], pending.token[rows],
+                         pending.value[rows])[:, None]
+    hidden, pool, _ = text.forward(params["text"], cfg.text, x, meta_FR[M_POS][:, None], pool,
+                                   decode_access(meta_FR, pages_2P, attention=attention),
+                                   grouped)
+    h = hidden[:, 0]
+    return pool, _into_slot(slot, h, text.logits(params["text"], h))
 
 
 def _into_slot(slot: Slot, h_RD, logits_RV) -> Slot:
@@ -161,25 +179,32 @@ def _into_slot(slot: Slot, h_RD, logits_RV) -> Slot:
                         hidden=slot.hidden.at[: h_RD.shape[0]].set(h_RD.astype(slot.hidden.dtype)))
 
 
-def _prefill_slot(params, cache, slot: Slot, kinds_RT, ids_RT, values_RT2, meta_FR, kv_len, *,
-                  cfg):
+def _prefill_slot(params, pool: KVPool, slot: Slot, kinds_RT, ids_RT, values_RT2, pre_FR,
+                  write_2RT, table_RM, *, cfg, grouped="blocks"):
     """Prompt prefill for R rows starting at per-row positions (after an image prefix, or 0
-    for text-only prompts); the last real position's logits and hidden go into the slot.
-    Prompt positions of kind coord / size (spatial refs) embed their values."""
+    for text-only prompts), K/V written into the rows' pages; the last real position's
+    logits and hidden go into the slot.  Prompt positions of kind coord / size (spatial
+    refs) embed their values."""
     t = ids_RT.shape[1]
-    pos = meta_FR[M_POS][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    pos = pre_FR[F_START][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     emb = input_embeddings(params, cfg, kinds_RT, ids_RT, values_RT2)
-    cache, _, last, lg = _prefill(params, cache, emb, pos, meta_FR[M_ROW], meta_FR[M_PREFIX],
-                                  meta_FR[M_LAST], kv_len, cfg=cfg)
-    return cache, _into_slot(slot, last, lg)
+    access = PrefillAccess(write_2RT[0], write_2RT[1], table_RM, pre_FR[F_PREFIX])
+    hidden, pool, _ = text.forward(params["text"], cfg.text, emb, pos, pool, access, grouped)
+    last = jnp.take_along_axis(hidden, pre_FR[F_LAST][:, None, None], axis=1)[:, 0]
+    return pool, _into_slot(slot, last, text.logits(params["text"], last))
 
 
-def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, meta_FR, samp_FR, *, cfg):
+def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, samp_FR, *, cfg,
+                 stochastic: bool = True, region: bool = True, candidates: int = 256):
     """Sample R rows of a forwarded step under their constraints; decode region values; write
-    the host-bound results into the slot and the next inputs into the pending buffers."""
-    r = meta_FR.shape[1]
+    the host-bound results into the slot and the next inputs into the pending buffers.
+
+    Static variants, picked on the host (no device-side branch): `stochastic` (some row has
+    temperature > 0: top-p draws; else argmax only) and `region` (some row's constraint lets
+    it emit a coordinate or size: run the region heads; else none is needed)."""
+    r = samp_FR.shape[1]
     tok_cfg = cfg.tokenizer
-    rows = meta_FR[M_ROW]
+    rows = samp_FR[S_ROW]
     cons = samp_FR[S_CONSTRAINT]
     logits = slot.logits[:r]
     ban = tables.ban[cons]
@@ -188,27 +213,28 @@ def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, meta_FR, 
     ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
     allowed = jnp.any(ids[None, None, :] == allow_RA[:, :, None], axis=1)
     ban = ban | (restricted[:, None] & ~allowed)
-    temp = jax.lax.bitcast_convert_type(samp_FR[S_TEMP], F32)
-    top_p = jax.lax.bitcast_convert_type(samp_FR[S_TOP_P], F32)
-    tok = sampling.draw(jnp.where(ban, -jnp.inf, logits), temp, top_p, samp_FR[S_SEED],
-                        samp_FR[S_INDEX])
+    logits = jnp.where(ban, -jnp.inf, logits)
+    if stochastic:
+        temp = jax.lax.bitcast_convert_type(samp_FR[S_TEMP], F32)
+        top_p = jax.lax.bitcast_convert_type(samp_FR[S_TOP_P], F32)
+        tok = sampling.draw(logits, temp, top_p, samp_FR[S_SEED], samp_FR[S_INDEX],
+                            candidates)
+    else:
+        tok = sampling.greedy(logits)
     remap = tables.remap[cons]
     keep = tables.keep_eos[cons] & (tok == tok_cfg.eos_id)
     tok = jnp.where((remap >= 0) & ~keep, remap, tok)
-    is_coord = tables.coord_kind[cons] & (tok == tok_cfg.coord_id)
-    is_size = tables.size_kind[cons] & (tok == tok_cfg.size_id)
-    kind = jnp.where(is_coord, KIND_COORD, jnp.where(is_size, KIND_SIZE, KIND_TOKEN))
-
-    def values(_):
-        _, cval, _, sval = _region_heads(params, slot.hidden[:r], cfg=cfg)
-        return jnp.stack([cval, jnp.zeros_like(cval)], -1), sval
-
     zeros = jnp.zeros((r, 2), F32)
-    # Text-only steps skip the region MLPs on the device.
-    coord, size = jax.lax.cond(jnp.any(is_coord | is_size), values, lambda _: (zeros, zeros),
-                               None)
-    k = kind[:, None]
-    value = jnp.where(k == KIND_COORD, coord, jnp.where(k == KIND_SIZE, size, zeros))
+    if region:
+        is_coord = tables.coord_kind[cons] & (tok == tok_cfg.coord_id)
+        is_size = tables.size_kind[cons] & (tok == tok_cfg.size_id)
+        kind = jnp.where(is_coord, KIND_COORD, jnp.where(is_size, KIND_SIZE, KIND_TOKEN))
+        _, cval, _, sval = _region_heads(params, slot.hidden[:r], cfg=cfg)
+        k = kind[:, None]
+        value = jnp.where(k == KIND_COORD, jnp.stack([cval, jnp.zeros_like(cval)], -1),
+                          jnp.where(k == KIND_SIZE, sval, zeros))
+    else:
+        kind, value = jnp.full((r,), KIND_TOKEN, jnp.int32), zeros
     out = jnp.concatenate([tok[:, None], jax.lax.bitcast_convert_type(value, jnp.int32)], -1)
     slot = slot.replace(out=slot.out.at[:r].set(out))
     pending = Pending(pending.kind.at[rows].set(kind), pending.token.at[rows].set(tok),
@@ -216,18 +242,24 @@ def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, meta_FR, 
     return slot, pending
 
 
-def _ceiling(params, cache, slot, pending, tables, meta_FR, samp_FR, n_steps, kv_len, *, cfg):
-    """The device-only ceiling: `n_steps` decode + sample steps in one jitted loop, no host
-    work between them (positions and token indices advance by one per step)."""
-    def body(i, carry):
-        cache, slot, pending = carry
-        meta = meta_FR.at[M_POS].add(i)
+def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR, *, cfg,
+             attention="xla", grouped="blocks", stochastic=False, region=False):
+    """The device-only ceiling: one decode + sample step per entry of the stacked per-step
+    metadata, in one `lax.scan` (a static trip count), no host work between steps (token
+    indices advance by one per step)."""
+    def body(carry, step):
+        pool, slot, pending, i = carry
+        meta, pages = step
         samp = samp_FR.at[S_INDEX].add(i)
-        cache, slot = _forward(params, cache, slot, pending, meta, kv_len, cfg=cfg)
-        slot, pending = _sample_step(params, slot, pending, tables, meta, samp, cfg=cfg)
-        return cache, slot, pending
+        pool, slot = _forward(params, pool, slot, pending, meta, pages, cfg=cfg,
+                              attention=attention, grouped=grouped)
+        slot, pending = _sample_step(params, slot, pending, tables, samp, cfg=cfg,
+                                     stochastic=stochastic, region=region)
+        return (pool, slot, pending, i + 1), None
 
-    return jax.lax.fori_loop(0, n_steps, body, (cache, slot, pending))
+    (pool, slot, pending, _), _ = jax.lax.scan(body, (pool, slot, pending, jnp.int32(0)),
+                                               (metas_NFR, pages_N2P))
+    return pool, slot, pending
 
 
 def _embed_prompt(params, kinds_RT, ids_RT, values_RT2, *, cfg):
@@ -251,7 +283,7 @@ def _region_heads(params, hidden_RD, *, cfg):
             region.size_value(sbin, r.size_out_dim // 2))
 
 
-def _image_kv(params, crops_u8, src, ph, pw, *, cfg):
+def _image_kv(params, crops_u8, src, ph, pw, *, cfg, grouped="blocks"):
     """An image's prefix KV ([L, 730, K, H] each): encode, project, and prefill BOS + image
     tokens (bidirectional) in a one-row cache of exactly the prefix length."""
     n = cfg.prefix_len
@@ -259,16 +291,33 @@ def _image_kv(params, crops_u8, src, ph, pw, *, cfg):
     cache = text.init_cache(cfg, rows=1, length=n)
     pos = jnp.arange(n, dtype=jnp.int32)[None]
     zero, full = jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32)
-    _, cache = text.forward(params["text"], cfg.text, _image_prefix(params, emb, cfg=cfg), pos,
-                            cache, zero, full, n)
+    _, cache, _ = text.forward(params["text"], cfg.text, _image_prefix(params, emb, cfg=cfg),
+                               pos, cache, DenseAccess(zero, full, n), grouped)
     return cache.k[:, 0], cache.v[:, 0]
 
 
 def _write_prefix(cache, k_LPKH, v_LPKH, row):
+    """An image prefix into row `row` of a dense cache (the one-request path)."""
     n = k_LPKH.shape[1]
     k = cache.k.at[:, row, :n].set(k_LPKH)
     v = cache.v.at[:, row, :n].set(v_LPKH)
     return text.KVCache(k, v)
+
+
+def _write_prefix_pages(pool: KVPool, k_LSKH, v_LSKH, page_S, off_S) -> KVPool:
+    """An image prefix's dense K/V ([L, S, K, H] each) into pool pages, position s at
+    (page_S[s], off_S[s])."""
+    return KVPool(tuple(kvpool.write_tokens(a, page_S, off_S, k_LSKH[li])
+                        for li, a in enumerate(pool.k)),
+                  tuple(kvpool.write_tokens(a, page_S, off_S, v_LSKH[li])
+                        for li, a in enumerate(pool.v)))
+
+
+def _copy_pages(pool: KVPool, src_N, dst_N) -> KVPool:
+    """Whole pages src_N[i] -> dst_N[i] in every layer (a prefix-cache hit)."""
+    def copy(arenas):
+        return kvpool.write_pages(arenas, dst_N, kvpool.gather_pages(arenas, src_N))
+    return KVPool(tuple(copy(a) for a in pool.k), tuple(copy(a) for a in pool.v))
 
 
 @dataclass(frozen=True)
@@ -283,40 +332,74 @@ class Programs:
     decode_routes: Callable
     embed_prompt: Callable
     region_heads: Callable
-    sample: Callable
+    sample: Callable          # the one-request path's sampling (all variants)
+    greedy: Callable
     write_prefix: Callable
-    # The engine's programs (slot, pending buffers and KV cache are donated).
+    # The engine's programs (slot, pending buffers and KV pool are donated).
+    write_prefix_pages: Callable
+    copy_pages: Callable
     forward: Callable
     prefill_slot: Callable
-    sample_step: Callable
+    # sample_step[(stochastic, region)]: the four static variants of the sampling program.
+    sample_step: dict
     ceiling: Callable
+
+    def sampler(self, stochastic: bool, region: bool) -> Callable:
+        return self.sample_step[(stochastic, region)]
+
+
+ATTENTION = ("xla", "pallas", "pallas-interpret")
+
+
+def default_attention(platform: str) -> str:
+    """The decode attention a backend gets: the Pallas kernel on GPU, the XLA sweep
+    elsewhere."""
+    return "pallas" if platform == "gpu" else "xla"
+
+
+def default_grouped(platform: str) -> str:
+    """The MoE prefill schedule a backend gets: `ragged_dot` (a grouped GEMM) on GPU, the
+    static-trip block loop elsewhere (XLA:CPU runs ragged_dot as a product over every
+    expert)."""
+    return "ragged" if platform == "gpu" else "blocks"
 
 
 @lru_cache(maxsize=16)
-def build(cfg: MoondreamConfig) -> Programs:
-    """The jitted programs of one config.  Cached per config (configs are frozen and
-    hashable), so loading the same model again -- on another device, in another engine --
-    reuses the compiled executables instead of tracing and compiling everything anew."""
+def build(cfg: MoondreamConfig, attention: str = "xla",
+          candidates: int = sampling.DEFAULT_CANDIDATES, grouped: str = "blocks") -> Programs:
+    """The jitted programs of one config.  Cached per (config, attention, candidates,
+    grouped) (configs are frozen and hashable), so loading the same model again -- on another
+    device, in another engine -- reuses the compiled executables instead of tracing and
+    compiling anew.  `candidates`: the top-p candidate cap (`sampling`); `grouped`: the MoE
+    prefill schedule (`moe.schedule`)."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
     c = {"cfg": cfg}
+    g = {"cfg": cfg, "grouped": grouped}   # programs with a text forward (MoE schedules)
     return Programs(
         cfg=cfg,
         encode_image=jax.jit(partial(_encode_image, **c)),
-        image_kv=jax.jit(partial(_image_kv, **c)),
-        prefill=jax.jit(partial(_prefill, **c), static_argnums=(7,), donate_argnums=(1,)),
-        decode=jax.jit(partial(_decode, **c), static_argnums=(8,), donate_argnums=(1,)),
-        prefill_routes=jax.jit(partial(_prefill, with_routes=True, **c), static_argnums=(7,),
+        image_kv=jax.jit(partial(_image_kv, **g)),
+        prefill=jax.jit(partial(_prefill, **g), static_argnums=(7,), donate_argnums=(1,)),
+        decode=jax.jit(partial(_decode, **g), static_argnums=(8,), donate_argnums=(1,)),
+        prefill_routes=jax.jit(partial(_prefill, with_routes=True, **g), static_argnums=(7,),
                                donate_argnums=(1,)),
-        decode_routes=jax.jit(partial(_decode, with_routes=True, **c), static_argnums=(8,),
+        decode_routes=jax.jit(partial(_decode, with_routes=True, **g), static_argnums=(8,),
                               donate_argnums=(1,)),
         embed_prompt=jax.jit(partial(_embed_prompt, **c)),
         region_heads=jax.jit(partial(_region_heads, **c)),
-        sample=jax.jit(sampling.sample),
+        sample=jax.jit(partial(sampling.sample, candidates=candidates)),
+        greedy=jax.jit(partial(sampling.sample, stochastic=False)),
         write_prefix=jax.jit(_write_prefix, donate_argnums=(0,)),
-        forward=jax.jit(partial(_forward, **c), static_argnums=(5,), donate_argnums=(1, 2)),
-        prefill_slot=jax.jit(partial(_prefill_slot, **c), static_argnums=(7,),
-                             donate_argnums=(1, 2)),
-        sample_step=jax.jit(partial(_sample_step, **c), donate_argnums=(1, 2)),
-        ceiling=jax.jit(partial(_ceiling, **c), static_argnums=(8,), donate_argnums=(1, 2, 3)),
+        write_prefix_pages=jax.jit(_write_prefix_pages, donate_argnums=(0,)),
+        copy_pages=jax.jit(_copy_pages, donate_argnums=(0,)),
+        forward=jax.jit(partial(_forward, attention=attention, **g), donate_argnums=(1, 2)),
+        prefill_slot=jax.jit(partial(_prefill_slot, **g), donate_argnums=(1, 2)),
+        sample_step={(st, rg): jax.jit(partial(_sample_step, stochastic=st, region=rg,
+                                               candidates=candidates, **c),
+                                       donate_argnums=(1, 2))
+                     for st in (False, True) for rg in (False, True)},
+        ceiling=jax.jit(partial(_ceiling, attention=attention, **g), donate_argnums=(1, 2, 3)),
     )
 
 
@@ -332,15 +415,31 @@ def row_buckets(max_rows: int) -> list[int]:
     return sorted({row_bucket(n, max_rows) for n in range(1, max_rows + 1)})
 
 
+def prefill_row_bucket(n: int, max_rows: int) -> int:
+    """Rows a prefill of n rows compiles for: 1, 4, 16, 64, ... capped at max_rows.  Coarser
+    than decode's buckets: a padded prefill row costs a short prompt's compute once, while
+    each bucket is another compile (and another warm-up shape)."""
+    b = 1
+    while b < n:
+        b *= 4
+    return min(b, max_rows)
+
+
+def prefill_row_buckets(max_rows: int) -> list[int]:
+    return sorted({prefill_row_bucket(n, max_rows) for n in range(1, max_rows + 1)})
+
+
 def kv_bucket(n: int, max_context: int, step: int = 256) -> int:
-    """Attended KV length for a sequence of n positions: a multiple of `step`, capped."""
+    """Attended KV length of the one-request path for n positions: a multiple of `step`."""
     return min(max_context, -(-max(n, 1) // step) * step)
 
 
-def kv_buckets(max_context: int) -> list[int]:
-    return sorted({kv_bucket(n, max_context) for n in range(1, max_context + 1, 256)}
-                  | {max_context})
-
-
-def prompt_bucket(n: int, step: int = 16) -> int:
-    return -(-max(n, 1) // step) * step
+def prompt_bucket(n: int) -> int:
+    """Prompt length a prefill compiles for: 16, 32, 64, 128, then multiples of 128 (prompts
+    are short; doubling buckets keep the shape count small for the few long ones)."""
+    if n > 128:
+        return -(-n // 128) * 128
+    b = 16
+    while b < n:
+        b *= 2
+    return b

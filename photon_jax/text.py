@@ -1,19 +1,20 @@
-"""The text decoder (Phi-style parallel blocks), its KV cache and the LM head.
+"""The text decoder (Phi-style parallel blocks) and the LM head; the dense KV cache.
 
 Moondream 3 adds, by config: tau attention in every layer (q and v scaled per token and head
 before RoPE and before the cache write), and mixture-of-experts MLPs (`moe.py`) in the
-layers from `text.moe.start_layer` on.  The dense layers and the MoE layers are two stacked
-groups (`params["text"]["blocks"]`, `["moe_blocks"]`), each run by one `lax.scan`.
+layers from `text.moe.start_layer` on.  Checkpoints stack each group of layers
+(`params["text"]["blocks"]`, `["moe_blocks"]`) on a leading axis; loaded models hold them as
+lists of per-layer dicts (`unstack_layers`) and `forward` unrolls the layer loop.
 
 Pure functions over `params["text"]`.  One `forward` serves every use: the 730-position image
 prefix (bidirectional inside the prefix), prompt prefill, one-token decode, for one row or
-many.  Each row of the input writes its K/V at its own positions into its own cache row, and
-the mask is built from positions, so rows never see each other and a row's result does not
-depend on what else is in the batch.
+many, over a dense cache or the engine's paged pool (the `access` object says where K/V go
+and what each row attends).  The mask is built from positions, so rows never see each other
+and a row's result does not depend on what else is in the batch.
 
-KV cache layout: [L, R, S, K, H] (layers, cache rows, positions, kv heads, head dim).  K is
-stored post-RoPE in the reference's interleaved order (rotated pairs (j, j+16) written to dims
-2j, 2j+1), so a cache can be compared with the reference's directly.
+Dense cache layout: [L, R, S, K, H] (layers, cache rows, positions, kv heads, head dim).  K
+is stored post-RoPE in the reference's interleaved order (rotated pairs (j, j+16) written to
+dims 2j, 2j+1), so a cache can be compared with the reference's directly.
 """
 
 import flax.struct
@@ -24,13 +25,17 @@ import numpy as np
 from . import moe
 from .config import MoondreamConfig, TextConfig
 from .dtypes import F32, jnp_dtype, matmul_precision
-from .layers import attention, gelu_tanh, layer_norm, linear
+from .kvpool import attention_mask
+from .layers import attention, layer_norm, linear, mlp
 
 
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, R, S, K, H]
-    v: jax.Array  # [L, R, S, K, H]
+    """A dense cache, one row per sequence: [L, R, S, K, H] each.  The one-request path (the
+    oracle), image prefixes and the functional entry points use it; the engine's pool is
+    `kvpool.KVPool`."""
+    k: jax.Array
+    v: jax.Array
 
     @property
     def nbytes(self) -> int:
@@ -45,6 +50,24 @@ def init_cache(cfg: MoondreamConfig, rows: int, length: int | None = None, dtype
     shape = cache_shape(cfg.text, rows, length)
     dt = jnp_dtype(dtype or cfg.dtype)
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+
+
+@flax.struct.dataclass
+class DenseAccess:
+    """Rows `rows_R` of a dense `KVCache`: writes at each input's position, attention over
+    the first `kv_len` (static) positions.  Positions past the cache are dropped on write."""
+    rows_R: jax.Array
+    prefix_R: jax.Array
+    kv_len: int = flax.struct.field(pytree_node=False)
+
+    def update(self, cache: KVCache, li: int, q, k, v, pos_RT):
+        idx = (li, self.rows_R[:, None], pos_RT)
+        kc = cache.k.at[idx].set(k.astype(cache.k.dtype), mode="drop")
+        vc = cache.v.at[idx].set(v.astype(cache.v.dtype), mode="drop")
+        mask = attention_mask(pos_RT, self.prefix_R, self.kv_len)
+        a = attention(q, kc[li, self.rows_R, :self.kv_len].astype(q.dtype),
+                      vc[li, self.rows_R, :self.kv_len].astype(q.dtype), mask)
+        return KVCache(kc, vc), a
 
 
 def rope_inv_freq(cfg: TextConfig) -> np.ndarray:
@@ -64,15 +87,6 @@ def apply_rope(x_RTNH, pos_RT, cfg: TextConfig):
     out = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1)
     out = out.reshape(*x_RTNH.shape[:-1], rot).astype(x_RTNH.dtype)
     return jnp.concatenate([out, x_RTNH[..., rot:]], axis=-1)
-
-
-def attention_mask(pos_RT, prefix_R, kv_len: int):
-    """[R, T, S]: key j is visible from query position p if j <= p, or if both lie inside the
-    row's bidirectional prefix (BOS + image; 0 for text-only rows)."""
-    j = jnp.arange(kv_len)[None, None, :]
-    p = pos_RT[:, :, None]
-    pre = prefix_R[:, None, None]
-    return (j <= p) | ((j < pre) & (p < pre))
 
 
 def tau_factors(p, qkv_RTQ, pos_RT):
@@ -97,73 +111,117 @@ def tau_factors(p, qkv_RTQ, pos_RT):
     return tok(p["wq"]) + tp, tok(p["wv"]) + tp
 
 
-def _dense_mlp(p, h, cfg):
-    return linear(gelu_tanh(linear(h, p["fc1"])), p["fc2"]), None
+def layer_params(pt, cfg: TextConfig) -> list:
+    """Each text layer's params in order, with its kind ("dense" or "moe").  The serving
+    params hold them as lists (one dict per layer: see `unstack_layers`); checkpoints and
+    `init_params` stack them on a leading axis, sliced here (tests, conversion checks)."""
+    out = []
+    for group, kind, n in (("blocks", "dense", cfg.n_dense), ("moe_blocks", "moe", cfg.n_moe)):
+        if not n:
+            continue
+        g = pt[group]
+        layers = g if isinstance(g, (list, tuple)) else [
+            jax.tree.map(lambda a, i=i: a[i], g) for i in range(n)]
+        out += [(p, kind) for p in layers]
+    return out
 
 
-def _moe_mlp(p, h, cfg):
-    return moe.moe_mlp(p["moe"], h, cfg.moe.experts_per_token, with_routes=True)
+def unstack_layers(params: dict, free: bool = False) -> dict:
+    """Stacked text layer groups -> lists of per-layer dicts, and the LM head transposed to
+    [V, D] (`w_vd`); with `free`, each stacked array is deleted once sliced (peak memory: the
+    weights plus one stacked tensor).  Serving programs unroll the layer loop over these: on
+    XLA:CPU a scan over stacked weights copies each layer's weights in every call (measured:
+    3.4 ms -> 8.9 ms for 4 layers of width 512 at batch 1)."""
+    text = dict(params["text"])
+    for group in ("blocks", "moe_blocks"):
+        g = text.get(group)
+        if g is None or isinstance(g, (list, tuple)):
+            continue
+        paths, treedef = jax.tree.flatten(g)
+        n = paths[0].shape[0]
+        per_layer = [[] for _ in range(n)]
+        for leaf in paths:
+            for i in range(n):
+                per_layer[i].append(leaf[i])
+            if free and isinstance(leaf, jax.Array):
+                leaf.delete()
+        text[group] = [jax.tree.unflatten(treedef, xs) for xs in per_layer]
+    head = text.get("lm_head")
+    if head is not None and "w" in head:
+        # The LM head as [V, D]: XLA:CPU's dot reads a [D, V] weight several times over at 8
+        # to 32 rows (measured: 54 ms -> 14-21 ms at 32 rows, width 512); GPU layouts are
+        # XLA's choice either way.
+        w = head["w"]
+        text["lm_head"] = {"w_vd": w.T, "b": head["b"]}
+        if free and isinstance(w, jax.Array):
+            jax.block_until_ready(text["lm_head"]["w_vd"])
+            w.delete()
+    return {**params, "text": text}
 
 
-def forward(pt, cfg: TextConfig, x_RTD, pos_RT, cache: KVCache, rows_R, prefix_R,
-            kv_len: int, with_routes: bool = False):
-    """Run the decoder on input embeddings; returns (hidden before post_ln [R,T,D], cache),
-    and with `with_routes` also the MoE routing (expert ids, weights), each [Lm, R, T, k]
-    over the MoE layers in order (None without MoE layers).
+def stack_layers(params: dict) -> dict:
+    """The inverse of `unstack_layers` (the checkpoint layout)."""
+    text = dict(params["text"])
+    for group in ("blocks", "moe_blocks"):
+        g = text.get(group)
+        if isinstance(g, (list, tuple)):
+            text[group] = jax.tree.map(lambda *xs: jnp.stack(xs), *g)
+    head = text.get("lm_head")
+    if head is not None and "w_vd" in head:
+        text["lm_head"] = {"w": head["w_vd"].T, "b": head["b"]}
+    return {**params, "text": text}
 
-    `rows_R` are the cache rows written/read, `pos_RT` the absolute positions of the inputs,
-    `kv_len` (static) how many cache positions are attended: cost scales with it, not with the
-    cache's full length.  Positions at or past the cache length are dropped on write.
+
+def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "blocks"):
+    """Run the decoder on input embeddings -> (hidden before post_ln [R, T, D], kv, routes).
+
+    `kv` is a dense `KVCache` or the engine's `kvpool.KVPool`; `access` says where each
+    row's K/V are written and what it attends (`DenseAccess`, `kvpool.PrefillAccess`,
+    `kvpool.DecodeAccess`).  `routes`: the MoE routing, (expert ids, weights) each
+    [Lm, R, T, k] over the MoE layers in order, or None without MoE layers.  `grouped`: the
+    MoE prefill schedule (`moe.schedule`).
     """
     r, t, d = x_RTD.shape
     nh, kh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    mask = attention_mask(pos_RT, prefix_R, kv_len)
-
-    def block(mlp):
-        def body(carry, layer):
-            x, kc, vc = carry
-            p, li = layer
-            h = layer_norm(x, p["ln"])
-            qkv = linear(h, p["qkv"])
-            q = qkv[..., : nh * hd].reshape(r, t, nh, hd)
-            k = qkv[..., nh * hd:(nh + kh) * hd].reshape(r, t, kh, hd)
-            v = qkv[..., (nh + kh) * hd:].reshape(r, t, kh, hd)
-            if cfg.tau:
-                tq, tv = tau_factors(p["tau"], qkv, pos_RT)
-                q = q * tq[..., None]
-                # One factor per query head; kv head j takes head j's (all heads have their
-                # own kv head in Moondream 3).
-                v = v * tv[..., :kh, None]
-            q = apply_rope(q, pos_RT, cfg)
-            k = apply_rope(k, pos_RT, cfg)
-            kc = kc.at[li, rows_R[:, None], pos_RT].set(k.astype(kc.dtype), mode="drop")
-            vc = vc.at[li, rows_R[:, None], pos_RT].set(v.astype(vc.dtype), mode="drop")
-            k_all = kc[li, rows_R, :kv_len]
-            v_all = vc[li, rows_R, :kv_len]
-            a = attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask)
-            # (x + attn) + mlp, in the reference's order: it matters for bf16 rounding.
-            x = x + linear(a, p["proj"])
-            m, routes = mlp(p, h, cfg)
-            return (x + m, kc, vc), routes
-        return body
-
-    carry, routes = (x_RTD, cache.k, cache.v), None
-    if cfg.n_dense:
-        carry, _ = jax.lax.scan(block(_dense_mlp), carry,
-                                (pt["blocks"], jnp.arange(cfg.n_dense)))
-    if cfg.n_moe:
-        carry, routes = jax.lax.scan(block(_moe_mlp), carry,
-                                     (pt["moe_blocks"], cfg.n_dense + jnp.arange(cfg.n_moe)))
-    x, kc, vc = carry
-    if with_routes:
-        return x, KVCache(kc, vc), routes
-    return x, KVCache(kc, vc)
+    x, routes = x_RTD, []
+    for li, (p, kind) in enumerate(layer_params(pt, cfg)):
+        h = layer_norm(x, p["ln"])
+        qkv = linear(h, p["qkv"])
+        q = qkv[..., : nh * hd].reshape(r, t, nh, hd)
+        k = qkv[..., nh * hd:(nh + kh) * hd].reshape(r, t, kh, hd)
+        v = qkv[..., (nh + kh) * hd:].reshape(r, t, kh, hd)
+        if cfg.tau:
+            tq, tv = tau_factors(p["tau"], qkv, pos_RT)
+            q = q * tq[..., None]
+            # One factor per query head; kv head j takes head j's (all heads have their own
+            # kv head in Moondream 3).
+            v = v * tv[..., :kh, None]
+        q = apply_rope(q, pos_RT, cfg)
+        k = apply_rope(k, pos_RT, cfg)
+        kv, a = access.update(kv, li, q, k, v, pos_RT)
+        # (x + attn) + mlp, in the reference's order: it matters for bf16 rounding.
+        x = x + linear(a.reshape(r, t, nh * hd), p["proj"])
+        if kind == "moe":
+            m, rt = moe.moe_mlp(p["moe"], h, cfg.moe.experts_per_token, with_routes=True,
+                                grouped=grouped)
+            routes.append(rt)
+        else:
+            m = mlp(h, p)
+        x = x + m
+    if routes:
+        routes = tuple(jnp.stack(xs) for xs in zip(*routes))
+    return x, kv, routes or None
 
 
 def logits(pt, hidden_RD):
     """post_ln + lm_head, float32 logits (rounded through the model dtype first, as the
     reference's bf16 logits are)."""
-    return linear(layer_norm(hidden_RD, pt["post_ln"]), pt["lm_head"]).astype(F32)
+    head, x = pt["lm_head"], layer_norm(hidden_RD, pt["post_ln"])
+    if "w" in head:
+        return linear(x, head).astype(F32)
+    y = jnp.einsum("...d,vd->...v", x, head["w_vd"], precision=matmul_precision(x.dtype),
+                   preferred_element_type=F32)
+    return (y + head["b"].astype(F32)).astype(x.dtype).astype(F32)
 
 
 def embed_tokens(pt, ids):

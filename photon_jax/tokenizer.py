@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from .config import TokenizerConfig
+from .meta import KIND_COORD, KIND_SIZE
 
 STARMIE_HINT = (
     "Moondream 2 (revision 2025-06-21) needs the 'starmie' tokenizer: download "
@@ -81,6 +83,20 @@ def spatial_refs_prompt(refs, cfg: TokenizerConfig):
             ids += [cfg.coord_id, cfg.coord_id, cfg.size_id]
             values += [((x0 + x1) / 2, 0.0), ((y0 + y1) / 2, 0.0), (x1 - x0, y1 - y0)]
     return ids, values
+
+
+def region_inputs(ids: list[int], region, tok_cfg: TokenizerConfig):
+    """Per prompt position: kind (token / coord / size) and value, for spatial refs (the
+    reference replaces the embeddings of the prompt's coord and size tokens)."""
+    kinds = np.zeros(len(ids), np.int32)
+    values = np.zeros((len(ids), 2), np.float32)
+    slots = [i for i, t in enumerate(ids) if t in (tok_cfg.coord_id, tok_cfg.size_id)]
+    if len(slots) != len(region):
+        raise ValueError(f"{len(region)} spatial values for {len(slots)} coord/size tokens")
+    for i, v in zip(slots, region):
+        kinds[i] = KIND_COORD if ids[i] == tok_cfg.coord_id else KIND_SIZE
+        values[i] = v
+    return kinds, values
 
 
 class Prompts:

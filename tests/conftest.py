@@ -1,11 +1,23 @@
 """Shared test fixtures: the tiny reference model (converted once per session) and its
 golden cases, all from tests/fixtures (a fresh clone tests itself)."""
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
+
+# One persistent XLA compilation cache for the session, shared with the subprocesses the CLI
+# and benchmark tests start (set before JAX is imported): each program compiles once per
+# session instead of once per process.  A cache the caller set up is used as it is.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="photon-test-xla-")
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE_DIR = os.path.join(HERE, "fixtures", "moondream2-tiny")

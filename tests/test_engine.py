@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import hostsync, reference, step as step_mod
+from photon_jax import hostsync, kvpool, meta as meta_mod, reference, step as step_mod
 from photon_jax.engine import Engine, EngineError, Request, RequestError
+from photon_jax.frontend import ImagePrefix
 from photon_jax.model import Model
 from photon_jax.settings import Settings
-from photon_jax.text import KVCache
 
 from conftest import FIXTURE_DIR, biased_model
 
@@ -65,7 +65,7 @@ def workload(model, encoded, seed, n):
 
 def reference_output(model, encoded, req):
     enc = None if req.image is None else (
-        req.image if isinstance(req.image, reference.EncodedImage)
+        req.image if isinstance(req.image, ImagePrefix)
         else encoded[IMAGES.index(req.image)])
     if req.skill == "text":
         r = reference.generate_text(model, enc, req.prompt, req.settings)
@@ -105,6 +105,7 @@ def test_pipelined_equals_blocking_equals_reference(model, encoded, seed):
         finally:
             eng.close()
         assert eng.running == [] and sorted(eng.free_rows) == [1, 2, 3]
+        assert (eng.alloc.in_use(), eng.alloc.reserved) == (0, 0)   # every page came back
     finishes = set()
     for i, ((req, want), got_p, got_b) in enumerate(zip(items, outs[True], outs[False])):
         for got in (got_p, got_b):
@@ -218,39 +219,47 @@ def test_no_host_sync_in_launch_and_finalize(model, encoded):
 def test_donated_buffers_are_consumed(model, encoded):
     eng = Engine(model, max_batch_size=2)
     try:
-        kv, slots, pending = eng.kv, list(eng.slots), eng.pending
+        pool, slots, pending = eng.pool, list(eng.slots), eng.pending
         eng.submit(Request("text", model.prompts.caption("short"), encoded[0],
                            Settings(max_tokens=4))).result(timeout=120)
-        for arr in (kv.k, kv.v, pending.token, pending.value, *jax.tree.leaves(slots)):
+        # The arenas a decode step read (the first one at least) were donated and replaced.
+        for arr in (pool.k[0][0], pool.v[-1][0], pending.token, pending.value,
+                    *jax.tree.leaves(slots)):
             assert arr.is_deleted()
         mem = eng.memory()
-        assert mem["kv_cache"] == eng.kv.nbytes > 0 and mem["slots"] > 0
+        assert mem["kv_pool"] == eng.pool.nbytes > 0 and mem["slots"] > 0
     finally:
         eng.close()
 
 
 def cache_sizes(programs):
-    return {n: getattr(programs, n)._cache_size()
-            for n in ("forward", "sample_step", "prefill_slot", "write_prefix")}
+    out = {n: getattr(programs, n)._cache_size()
+           for n in ("forward", "prefill_slot", "write_prefix_pages")}
+    out["sample_step"] = sum(f._cache_size() for f in programs.sample_step.values())
+    return out
 
 
 def test_steady_state_never_retraces(model, encoded):
-    """After the warm-up compiled every decode bucket, a long mixed run compiles no decode
-    or sample program, and leaves no device memory behind."""
+    """After the warm-up compiled every decode bucket, the sampling variants and the common
+    prefill shapes, a long mixed run compiles no decode, sample or prefill program, and leaves
+    no device memory behind."""
     eng = Engine(model, max_batch_size=4, max_context=1280, warmup=True)
     try:
         reqs = [Request("text", model.prompts.caption("normal"), encoded[i % 2],
                         Settings(max_tokens=300, temperature=0.5, seed=i), ignore_eos=True)
                 for i in range(4)] + [Request("point", model.prompts.point("w7"), encoded[0],
                                               Settings(max_objects=40), ignore_eos=True)]
-        eng.submit(reqs[0]).result(timeout=300)   # after the warm-up finished
+        eng.wait_warm(timeout=600)
         warm = cache_sizes(eng.programs)
-        assert warm["forward"] >= 3 * 5   # row buckets 1, 2, 4 x lengths 256 ... 1280
+        eng.submit(reqs[0]).result(timeout=300)
+        # row buckets 1, 2, 4 x the number of arenas a step reads
+        assert warm["forward"] >= 3 * len(eng.arenas.sizes) >= 3 * 2
         live = sum(x.nbytes for x in jax.live_arrays())
         outs = [h.result(timeout=300) for h in [eng.submit(r) for r in reqs]]
         assert [len(o.get("ids", o.get("objects"))) for o in outs] == [300] * 4 + [40]
         now = cache_sizes(eng.programs)
-        assert (now["forward"], now["sample_step"]) == (warm["forward"], warm["sample_step"])
+        assert {k: now[k] for k in ("forward", "sample_step", "prefill_slot")} == \
+            {k: warm[k] for k in ("forward", "sample_step", "prefill_slot")}
         # Device memory is flat: the run allocated nothing that outlives it.
         assert sum(x.nbytes for x in jax.live_arrays()) == live
     finally:
@@ -258,27 +267,35 @@ def test_steady_state_never_retraces(model, encoded):
 
 
 def test_row_is_independent_of_its_neighbours(model):
-    """At equal shapes, what other rows hold never changes a row's logits (bitwise)."""
+    """At equal shapes, what other rows hold and where their pages lie never changes a row's
+    logits (bitwise), nor does where its own pages lie."""
     cfg, P = model.cfg, model.programs
-    t = cfg.text
-    base = np.random.default_rng(5).normal(
-        size=(t.n_layers, 5, 1024, t.n_kv_heads, t.head_dim)).astype(np.float32)
+    t, page, m = cfg.text, 64, 16
+    arenas = meta_mod.Arenas((20, 20, 40))
+    rng0 = np.random.default_rng(5)
+    # Row 0's 13 pages of K/V (positions 0 .. 831); other rows get random ones.
+    mine = rng0.normal(size=(t.n_layers, 2, t.n_kv_heads, 13, page, t.head_dim))
 
     def row0_logits(seed):
         r = np.random.default_rng(seed)
-        k = base.copy()
-        k[:, 2:] = r.normal(size=k[:, 2:].shape)   # other rows' caches differ
-        cache = KVCache(jnp.asarray(k), jnp.asarray(k * 0.5))
+        pool = np.asarray(r.normal(size=(t.n_layers, 2, t.n_kv_heads, arenas.n_pages, page,
+                                         t.head_dim)), np.float32)
+        free = r.permutation(np.arange(1, arenas.n_pages))
+        tables = [free[:13].tolist()] + [free[13 + 14 * i:27 + 14 * i].tolist()
+                                         for i in range(3)]
+        pool[:, :, :, tables[0]] = mine
+        positions = [831, *r.integers(780, 890, 3)]
+        meta, pages, n = meta_mod.pack_decode([1, 2, 3, 4], positions, tables, 4, m, page,
+                                              arenas)
+        split = np.split(pool, np.cumsum(arenas.sizes)[:-1], axis=3)
+        kv = kvpool.KVPool(*(tuple(tuple(jnp.asarray(a[li, j]) for a in split[:n])
+                                   for li in range(t.n_layers)) for j in range(2)))
         pend = step_mod.Pending(
             jnp.asarray([0, 1, *r.integers(3, size=3)], jnp.int32),
             jnp.asarray([0, 77, *r.integers(10, 999, 3)], jnp.int32),
             jnp.asarray(np.vstack([[0, 0], [0.3, 0], r.random((3, 2))]), jnp.float32))
-        meta = np.zeros((4, 4), np.int32)
-        meta[0] = [1, 2, 3, 4]
-        meta[1] = [800, *r.integers(740, 900, 3)]   # and so do their positions
-        meta[2] = 730
         slot = step_mod.init_slot(cfg, 4)
-        out = P.forward(model.params, cache, slot, pend, jnp.asarray(meta), 1024)[1]
+        out = P.forward(model.params, kv, slot, pend, jnp.asarray(meta), jnp.asarray(pages))[1]
         return np.array(out.logits[0])
 
     np.testing.assert_array_equal(row0_logits(1), row0_logits(2))
@@ -318,11 +335,13 @@ def test_device_error_fails_everything_and_stops(model, encoded):
         def __getattr__(self, name):
             return getattr(real, name)
 
-        def sample_step(self, *args):
-            calls["n"] += 1
-            if calls["n"] == 4:
-                raise RuntimeError("simulated device failure")
-            return real.sample_step(*args)
+        def sampler(self, *variant):
+            def failing(*args):
+                calls["n"] += 1
+                if calls["n"] == 4:
+                    raise RuntimeError("simulated device failure")
+                return real.sampler(*variant)(*args)
+            return failing
 
     eng.programs = Failing()
     hs = [eng.submit(Request("text", model.prompts.caption("long"), encoded[i % 2],
@@ -383,13 +402,14 @@ def test_constraint_table_and_allowed_sets(model):
     meta = np.zeros((4, rows), np.int32)
     meta[0] = [9, 8, 7, 6, 5, 4, 3]
     samp = np.zeros((step_mod.S_ALLOW + 2, rows), np.int32)
+    samp[step_mod.S_ROW] = meta[0]
     samp[step_mod.S_CONSTRAINT] = cons
     samp[step_mod.S_TOP_P] = np.ones(rows, np.float32).view(np.int32)
     samp[step_mod.S_ALLOW:] = -1
     samp[step_mod.S_ALLOW:, 6] = [200, 300]        # row 6 may only pick 200 or 300
     slot = slot.replace(logits=slot.logits.at[6, 300].set(1.0))
-    slot, pending = P.sample_step(model.params, slot, pending, tables, jnp.asarray(meta),
-                                  jnp.asarray(samp))
+    slot, pending = P.sampler(False, True)(model.params, slot, pending, tables,
+                                           jnp.asarray(samp))
     out = np.array(slot.out)
     ids = out[:, 0]
     assert ids.tolist() == [tok.answer_id, 100, tok.eos_id, tok.coord_id, tok.coord_id,

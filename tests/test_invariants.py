@@ -39,8 +39,9 @@ def full_forward(cfg, params, x_TD, prefix):
     """Everything in one call on a fresh cache (no cached state at all)."""
     t = x_TD.shape[0]
     cache = text.init_cache(cfg, rows=1, length=t)
-    hidden, _ = text.forward(params["text"], cfg.text, x_TD[None], jnp.arange(t)[None], cache,
-                             jnp.zeros(1, jnp.int32), jnp.full(1, prefix), t)
+    hidden, _, _ = text.forward(params["text"], cfg.text, x_TD[None], jnp.arange(t)[None],
+                                cache, text.DenseAccess(jnp.zeros(1, jnp.int32),
+                                                        jnp.full(1, prefix), t))
     return hidden[0]
 
 
@@ -64,8 +65,8 @@ def test_prefill_then_decode_equals_full_forward(setup):
     p += n_prompt
     # Decode steps feed embeddings directly through text.forward with T=1 (cached path).
     for i in range(n_decode):
-        hid, cache = text.forward(params["text"], cfg.text, x[None, p:p + 1], np.array([[p]]),
-                                  cache, rows, pre, 1024)
+        hid, cache, _ = text.forward(params["text"], cfg.text, x[None, p:p + 1],
+                                     np.array([[p]]), cache, text.DenseAccess(rows, pre, 1024))
         np.testing.assert_allclose(hid[0, 0], ref[p], atol=1e-4 * np.abs(ref).max())
         p += 1
 

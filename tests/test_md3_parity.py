@@ -87,7 +87,7 @@ def test_tau_factors_of_layer0(md3_cases, md3_arrays, encoded, model):
     pos = md3_arrays[f"fp32.{iid}.tau_layer0_pos"]
     x = np.stack([wte[0] if p == 0 else emb[p - 1] if p < start else wte[tokens[p - start]]
                   for p in pos])
-    p0 = jax.tree.map(lambda v: v[0], pt["blocks"])
+    p0 = pt["blocks"][0]   # a loaded model holds its text layers as a list
     qkv = linear(layer_norm(jnp.asarray(x), p0["ln"]), p0["qkv"])
     tq, tv = text.tau_factors(p0["tau"], qkv[None], jnp.asarray(pos)[None])
     assert rel_err(tq[0], md3_arrays[f"fp32.{iid}.tau_layer0_q"]) < TOL

@@ -1,6 +1,6 @@
 """Moondream 3's model pieces on random inputs: the selected-experts MoE against the dense
 all-experts formula, cached == uncached forward with tau attention and MoE layers, the
-full-size shapes (programs via jax.eval_shape, checkpoint tensors against MOONDREAM.md 5.2),
+full-size shapes (programs via jax.eval_shape, checkpoint tensors against the published checkpoint layout),
 and the segment output parser on synthetic token sequences (segment has no oracle)."""
 
 from dataclasses import replace
@@ -28,17 +28,33 @@ def expert_params(key, d, e, inner, dtype=jnp.float32):
             "fc2": (jax.random.normal(k3, (e, inner, d)) / np.sqrt(inner)).astype(dtype)}
 
 
-def test_selected_experts_equal_dense_all_experts():
-    """Token counts from decode (1 token: blocks of 1) to prefill (blocks of 64) and uneven
-    ones in between; k = E too."""
+@pytest.mark.parametrize("how", [None, "gather", "blocks", "ragged"])
+def test_every_schedule_equals_dense_all_experts(how):
+    """Token counts from decode (1 token) to prefill (blocks of 64) and uneven ones in
+    between; k = E too.  None: the schedule `moe_mlp` picks for the count."""
     for e, k, counts in ((8, 2, (1, 17, 300)), (5, 5, (3,))):
         p = expert_params(jax.random.PRNGKey(e), 48, e, 24)
-        sel = jax.jit(partial(moe.moe_mlp, k=k))
+        sel = jax.jit(partial(moe.moe_mlp, k=k, schedule_=how))
         dense = jax.jit(partial(moe.dense_reference, k=k))
         for n in counts:
             x = jax.random.normal(jax.random.PRNGKey(100 + n), (1, n, 48))
             want = np.asarray(dense(p, x))
             np.testing.assert_allclose(sel(p, x), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    # Fewer distinct experts than gather's slots (4 equal tokens select the same 2 of 16):
+    # the padding slots must never be picked.
+    p = expert_params(jax.random.PRNGKey(16), 48, 16, 24)
+    x = jnp.tile(jax.random.normal(jax.random.PRNGKey(7), (1, 1, 48)), (1, 4, 1))
+    want = np.asarray(jax.jit(partial(moe.dense_reference, k=2))(p, x))
+    got = jax.jit(partial(moe.moe_mlp, k=2, schedule_=how))(p, x)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_schedule_reads_few_experts_by_gather_and_many_densely():
+    # Moondream 3 (64 experts, top-8): one or two decode rows gather their 8-16 experts,
+    # a batch of 4+ rows selects most of them and reads them all once; prefill is grouped.
+    assert [moe.schedule(n, 64, 8) for n in (1, 2, 4, 32, 64)] == \
+        ["gather", "gather", "dense", "dense", "dense"]
+    assert moe.schedule(65, 64, 8) == "blocks" and moe.schedule(746, 64, 8, "ragged") == "ragged"
 
 
 def test_routing_is_top_k_then_softmax_over_the_k():
@@ -62,8 +78,9 @@ def test_a_skewed_routing_is_still_exact():
     ids, _ = moe.route(p, x, 2)
     assert set(np.unique(ids)) == {2, 6}
     want = np.asarray(moe.dense_reference(p, x, 2))
-    np.testing.assert_allclose(jax.jit(partial(moe.moe_mlp, k=2))(p, x), want, rtol=0,
-                               atol=1e-5 * np.abs(want).max())
+    for how in ("blocks", "ragged"):
+        np.testing.assert_allclose(jax.jit(partial(moe.moe_mlp, k=2, schedule_=how))(p, x),
+                                   want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +108,10 @@ def test_cached_prefill_and_decode_equal_uncached_forward(md3):
                                  np.full(1, p - 1), 256)
     np.testing.assert_allclose(hid[0], ref[:p], rtol=0, atol=tol)
     # Decode steps fed embeddings directly (the decode program embeds token ids).
-    forward = jax.jit(text.forward, static_argnums=(1, 7))
+    forward = jax.jit(text.forward, static_argnums=(1,))
     for _ in range(n_decode):
-        hid, cache = forward(params["text"], cfg.text, x[None, p:p + 1], np.array([[p]]),
-                             cache, rows, pre, 256)
+        hid, cache, _ = forward(params["text"], cfg.text, x[None, p:p + 1], np.array([[p]]),
+                                cache, text.DenseAccess(rows, pre, 256))
         np.testing.assert_allclose(hid[0, 0], ref[p], rtol=0, atol=tol)
         p += 1
 
@@ -136,7 +153,7 @@ def test_layer_split_and_expert_count_come_from_the_config():
 
 
 def test_full_size_moondream3_shapes():
-    """The real Moondream 3: parameter count, the HF tensors of MOONDREAM.md 5.2, and the
+    """The real Moondream 3: parameter count, the HF tensors of the published checkpoint, and the
     decode program's outputs, without allocating."""
     cfg = C.moondream3()
     assert (cfg.text.rope_theta, cfg.text.max_context, cfg.text.n_dense, cfg.text.n_moe) == \

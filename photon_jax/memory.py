@@ -1,0 +1,176 @@
+"""Device memory: what a loaded model needs (weights, KV pool, slots, workspace), how large the
+KV pool is by default, and the check at load that refuses with numbers instead of running
+out of memory mid-run.
+
+Sizes come from shapes alone (`jax.eval_shape` of the param tree and the pool), so the
+accounting of a full-size model is computed, and tested, without allocating anything.
+
+Default pool (`kv_cache_tokens=None`):
+- GPU (and other accelerators): 90% of what is free on the device once the weights, the two
+  slots and a workspace for XLA's temporaries are set aside.  JAX preallocates 75% of GPU
+  memory by default; `XLA_PYTHON_CLIENT_MEM_FRACTION` changes that share (see README).
+- CPU: enough for `max_batch_size` sequences at full context plus four cached image
+  prefixes, capped at a quarter of the free host memory (and at 4 GiB).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from .config import MoondreamConfig
+from .dtypes import jnp_dtype
+from .meta import Arenas
+from .pages import pages_for
+
+GiB = 1 << 30
+CPU_POOL_CAP = 4 * GiB
+GPU_POOL_SHARE = 0.9
+MIN_WORKSPACE = 1 * GiB
+
+
+class MemoryError_(MemoryError):
+    """The model, its KV pool and its buffers do not fit the device (the message gives the
+    numbers and the settings that change them)."""
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def bytes_per_token(cfg: MoondreamConfig, dtype=None) -> int:
+    """K + V of one position over every layer."""
+    t = cfg.text
+    return 2 * t.n_layers * t.n_kv_heads * t.head_dim * jnp_dtype(dtype or cfg.dtype).itemsize
+
+
+def weight_bytes(cfg: MoondreamConfig, dtype=None) -> int:
+    from .params import abstract_params
+
+    return int(sum(np.prod(x.shape) * x.dtype.itemsize
+                   for x in jax.tree.leaves(abstract_params(cfg, dtype or cfg.dtype))))
+
+
+def slot_bytes(cfg: MoondreamConfig, max_batch_size: int, dtype=None) -> int:
+    """Two slots (logits f32, hidden, sampled ids/values) and the pending buffers."""
+    dt = jnp_dtype(dtype or cfg.dtype).itemsize
+    one = max_batch_size * (cfg.text.vocab_size * 4 + cfg.text.dim * dt + 3 * 4)
+    return 2 * one + (max_batch_size + 1) * 4 * 4
+
+
+def workspace_bytes(cfg: MoondreamConfig, dtype=None) -> int:
+    """A budget for XLA's temporaries: twice the largest single activation of an image
+    prefill (the vision encoder's attention scores over all crops, or the text model's over
+    the image prefix), at least 1 GiB."""
+    v, t = cfg.vision, cfg.text
+    crops = v.max_crops + 1
+    vision = crops * v.enc_n_heads * v.n_patches ** 2 * 4
+    text = t.n_heads * cfg.prefix_len ** 2 * 4
+    mlp = cfg.prefix_len * max(t.ff_dim, v.enc_ff_dim * crops) * 4
+    return max(MIN_WORKSPACE, 2 * max(vision, text, mlp))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weights: int
+    pool: int
+    slots: int
+    workspace: int
+    capacity: int | None      # bytes the device can still give us (None: unknown)
+    kv_cache_tokens: int      # positions the pool holds (usable pages x page size)
+    page_size: int
+    arenas: Arenas
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.pool + self.slots + self.workspace
+
+    @property
+    def n_pages(self) -> int:
+        return self.arenas.n_pages
+
+    def describe(self) -> str:
+        cap = "unknown" if self.capacity is None else gib(self.capacity)
+        return (f"weights {gib(self.weights)} + KV pool {gib(self.pool)} "
+                f"({self.kv_cache_tokens} tokens) + slots {gib(self.slots)} + workspace "
+                f"{gib(self.workspace)} = {gib(self.total)}; device free {cap}")
+
+
+def device_free(device) -> int | None:
+    """Bytes the device can still allocate: accelerators from their allocator's stats, the
+    CPU from the host's available memory."""
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:   # some backends do not implement it
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    if device.platform == "cpu":
+        try:
+            return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def plan(cfg: MoondreamConfig, *, platform: str, max_batch_size: int, max_context: int,
+         page_size: int, kv_cache_tokens: int | None = None, free: int | None = None,
+         weights_loaded: bool = False, dtype=None, sweep: bool | None = None) -> MemoryPlan:
+    """The memory plan of a model on a device with `free` bytes available (None: unknown).
+    `weights_loaded`: `free` was measured after the weights were placed.  `sweep`: the
+    decode attention is the XLA sweep (several arenas; default on CPU) rather than the
+    Pallas kernel (one arena)."""
+    dtype = dtype or cfg.dtype
+    per_tok = bytes_per_token(cfg, dtype)
+    weights = weight_bytes(cfg, dtype)
+    slots = slot_bytes(cfg, max_batch_size, dtype)
+    work = workspace_bytes(cfg, dtype)
+    row_pages = pages_for(max_context, page_size)
+    if kv_cache_tokens is None:
+        if platform == "cpu":
+            want = max_batch_size * max_context + 4 * cfg.prefix_len
+            cap = CPU_POOL_CAP if free is None else min(CPU_POOL_CAP, free // 4)
+            kv_cache_tokens = max(min(want, cap // per_tok), max_context + cfg.prefix_len)
+        else:
+            if free is None:
+                raise MemoryError_("cannot size the KV pool: the device does not report its "
+                                   "free memory; pass kv_cache_tokens")
+            room = free - slots - work - (0 if weights_loaded else weights)
+            if room <= per_tok * (max_context + cfg.prefix_len):
+                raise MemoryError_(
+                    f"no room for a KV pool: the device has {gib(free)} free and the weights "
+                    f"({gib(weights)}), slots ({gib(slots)}) and workspace ({gib(work)}) "
+                    "leave less than one sequence; use a larger device, load in bfloat16, or "
+                    "free device memory")
+            kv_cache_tokens = int(GPU_POOL_SHARE * room) // per_tok
+    if not isinstance(kv_cache_tokens, int) or isinstance(kv_cache_tokens, bool) or \
+            kv_cache_tokens < 1:
+        raise ValueError(f"kv_cache_tokens must be a positive int, got {kv_cache_tokens!r}")
+    usable = pages_for(kv_cache_tokens, page_size)
+    n_pages = usable + 1   # page 0: the dummy page
+    if sweep is None:
+        sweep = platform == "cpu"
+    arenas = Arenas.geometric(n_pages, row_pages) if sweep else Arenas((n_pages,))
+    return MemoryPlan(weights, n_pages * page_size * per_tok, slots, work, free,
+                      usable * page_size, page_size, arenas)
+
+
+def check(p: MemoryPlan, cfg: MoondreamConfig, *, max_context: int, weights_loaded: bool):
+    """Refuse a plan that cannot work: a pool too small for one sequence at full context, or
+    more than the device has."""
+    need = p.total - (p.weights if weights_loaded else 0)
+    if p.capacity is not None and need > p.capacity:
+        raise MemoryError_(
+            f"the model does not fit the device: {p.describe()}. Lower kv_cache_tokens "
+            "(--kv-cache-tokens), max_batch_size (--batch-size) or max_context "
+            "(--max-context), load in bfloat16, or free device memory (other processes; "
+            "XLA_PYTHON_CLIENT_MEM_FRACTION raises JAX's share of a GPU)")
+    if p.kv_cache_tokens < cfg.prefix_len + 1:
+        raise MemoryError_(
+            f"the KV pool holds {p.kv_cache_tokens} tokens, less than one image prompt "
+            f"({cfg.prefix_len + 1}); raise kv_cache_tokens (--kv-cache-tokens)")
+    return p

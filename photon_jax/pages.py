@@ -1,0 +1,181 @@
+"""Host-side bookkeeping of the KV pool: which page is whose, reservations, and the image
+prefix cache.  Pure Python and NumPy (no JAX): the scheduler thread owns one of each, and
+the tests drive them with fakes.
+
+Pages.  A request reserves, at admission, the pages of its whole budget (prompt + what it may
+generate, capped by its context), as Photon does: once admitted it never waits for memory
+and nothing is preempted.  Pages are *assigned* lazily from that reservation (the prompt's at
+prefill, one more each time decoding crosses a page boundary) and always the lowest free
+ones, so the live pages of the running rows stay packed at the bottom of the pool, which is
+all a decode step reads.  Prefix-cache entries take the highest free pages instead.  Page 0
+is never handed out (padding writes land there).
+
+Prefix cache.  An entry holds the KV of BOS + the image tokens (the 730-position prefix) of
+one image, keyed by a hash of the image's decoded pixels, in pool pages.  A request whose
+image hits copies those pages into its own (one page-granular device copy) instead of
+running the vision encoder and the prefix prefill.  Entries are pinned by `encode_image`
+handles (never evicted while pinned) and otherwise evicted least-recently-used when an
+admission needs their pages.  A request never shares pages with an entry or another
+request: the decode sweep scores each page against one owner row (see `kvpool`), and the
+copy costs about as much as one decode step reads.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class PoolError(RuntimeError):
+    """Page bookkeeping broken (a scheduler bug, never a user error)."""
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class PageAllocator:
+    """Free pages and reservations of a pool of `n_pages` pages (page 0 is reserved)."""
+
+    def __init__(self, n_pages: int):
+        if n_pages < 2:
+            raise ValueError(f"a pool needs at least 2 pages, got {n_pages}")
+        self.n_pages = n_pages
+        self._free = np.ones(n_pages, bool)
+        self._free[0] = False
+        self.n_free = n_pages - 1
+        self.reserved = 0        # promised to admitted requests, not yet assigned
+
+    @property
+    def usable(self) -> int:
+        """Pages that can ever be handed out."""
+        return self.n_pages - 1
+
+    def available(self) -> int:
+        """Free pages not promised to anyone."""
+        return self.n_free - self.reserved
+
+    def reserve(self, n: int) -> None:
+        if n > self.available():
+            raise PoolError(f"reserving {n} pages with {self.available()} available")
+        self.reserved += n
+
+    def unreserve(self, n: int) -> None:
+        if n > self.reserved:
+            raise PoolError(f"releasing {n} reserved pages of {self.reserved}")
+        self.reserved -= n
+
+    def take(self, n: int, *, reserved: bool, top: bool = False) -> list[int]:
+        """Assign n free pages: from a reservation (`reserved`) or from what is available;
+        the lowest ids, or with `top` the highest."""
+        if n <= 0:
+            return []
+        if reserved:
+            self.unreserve(n)
+        elif n > self.available():
+            raise PoolError(f"taking {n} pages with {self.available()} available")
+        ids = np.flatnonzero(self._free)
+        picked = ids[-n:][::-1] if top else ids[:n]
+        self._free[picked] = False
+        self.n_free -= n
+        return picked.tolist()
+
+    def give_back(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        idx = np.asarray(pages)
+        if idx.min() < 1 or self._free[idx].any():
+            raise PoolError(f"freeing pages that are not in use: {pages}")
+        self._free[idx] = True
+        self.n_free += len(pages)
+
+    def in_use(self) -> int:
+        return self.usable - self.n_free
+
+
+@dataclass
+class Entry:
+    """One cached image prefix: its pages (logical order) and its pins."""
+    key: bytes
+    pages: list[int]
+    tiling: tuple
+    pins: int = 0
+
+
+@dataclass
+class PrefixCache:
+    """Image prefixes by content key, least recently used first."""
+    allocator: PageAllocator
+    enabled: bool = True
+    entries: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    hits: int = 0
+    misses: int = 0
+    inserts: int = 0
+    evictions: int = 0
+
+    def get(self, key: bytes | None) -> Entry | None:
+        """The entry of `key` (now most recently used), or None.  Counts hits only: a miss
+        is counted when the prefix is computed (`count_miss`), since a request may look up
+        several times while it waits."""
+        e = self.entries.get(key) if key is not None else None
+        if e is not None:
+            self.entries.move_to_end(key)
+        return e
+
+    def count_hit(self) -> None:
+        self.hits += 1
+
+    def count_miss(self) -> None:
+        self.misses += 1
+
+    def insert(self, key: bytes, n_pages: int, tiling: tuple, pin: bool = False) -> Entry | None:
+        """A new entry with n_pages fresh pages (highest free ones), or None when caching is
+        off (and nothing pins it) or the pages are not available without eviction."""
+        if (not self.enabled and not pin) or key in self.entries:
+            return None
+        if self.allocator.available() < n_pages:
+            return None
+        e = Entry(key, self.allocator.take(n_pages, reserved=False, top=True), tiling,
+                  pins=int(pin))
+        self.entries[key] = e
+        self.inserts += 1
+        return e
+
+    def evictable_pages(self) -> int:
+        return sum(len(e.pages) for e in self.entries.values() if e.pins == 0)
+
+    def evict_for(self, n_pages: int, keep: set = frozenset()) -> None:
+        """Evict unpinned entries, least recently used first, until n_pages are available
+        (or nothing more can go).  Entries in `keep` stay (the batch being planned uses
+        them)."""
+        for key in list(self.entries):
+            if self.allocator.available() >= n_pages:
+                return
+            e = self.entries[key]
+            if e.pins == 0 and key not in keep:
+                self._drop(e)
+                self.evictions += 1
+
+    def pin(self, key: bytes) -> None:
+        self.entries[key].pins += 1
+
+    def unpin(self, key: bytes) -> None:
+        e = self.entries.get(key)
+        if e is None:
+            return
+        e.pins -= 1
+        if e.pins == 0 and not self.enabled:
+            self._drop(e)
+
+    def _drop(self, e: Entry) -> None:
+        del self.entries[e.key]
+        self.allocator.give_back(e.pages)
+
+    def pages(self) -> int:
+        return sum(len(e.pages) for e in self.entries.values())
+
+    def clear(self) -> None:
+        for e in list(self.entries.values()):
+            self._drop(e)

@@ -1,0 +1,97 @@
+"""No host sync inside a device program, by construction: the optimized HLO of every program
+on the decode path has no `conditional` and no `while` whose trip count XLA does not know.
+(XLA:GPU runs both by reading a predicate on the host: a sync per branch or iteration.  On
+CPU they cost nothing visible, so only the HLO can show them.)"""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from photon_jax import meta as M
+from photon_jax.config import tiny, tiny_md3
+from photon_jax.engine import Engine
+from photon_jax.frontend import prepare_image
+from photon_jax.model import Model
+from photon_jax.params import init_params
+from photon_jax.tokenizer import load_tokenizer
+
+from conftest import FIXTURE_DIR
+
+
+def audit(hlo_text: str) -> list[str]:
+    """The offending instructions of an optimized HLO module: every `conditional`, and every
+    `while` without XLA's known-trip-count annotation."""
+    bad = []
+    for line in hlo_text.splitlines():
+        inst = line.strip()
+        if " conditional(" in inst:
+            bad.append(inst[:200])
+        elif " while(" in inst and '"known_trip_count"' not in inst:
+            bad.append(inst[:200])
+    return bad
+
+
+def test_the_audit_catches_a_cond_and_a_data_dependent_loop():
+    def f(x, n):
+        c = jax.lax.cond(n > 0, lambda: x, lambda: -x)
+        return jax.lax.while_loop(lambda s: s[0] < n, lambda s: (s[0] + 1, s[1] * 2),
+                                  (0, c))[1]
+
+    def fine(x):
+        return jax.lax.fori_loop(0, 3, lambda i, y: y * 2, x)
+
+    bad = audit(jax.jit(f).lower(np.ones(3, np.float32), 2).compile().as_text())
+    assert len(bad) == 2 and {" conditional(" in b for b in bad} == {True, False}
+    assert any(" while(" in b for b in bad)
+    assert audit(jax.jit(fine).lower(np.ones(3, np.float32)).compile().as_text()) == []
+
+
+@pytest.mark.parametrize("make_cfg", [tiny, tiny_md3], ids=["moondream2", "moondream3"])
+def test_decode_path_programs_are_sync_free(make_cfg):
+    cfg = make_cfg()
+    model = Model(cfg, init_params(jax.random.PRNGKey(0), cfg),
+                  load_tokenizer(os.path.join(FIXTURE_DIR, "tokenizer.json")))
+    P = model.programs
+    eng = Engine(model, max_batch_size=2, max_context=1024, kv_cache_tokens=2048,
+                 page_size=64)
+    try:
+        texts = {}
+        # Decode: two rows, over every arena count a step may read.
+        tables = [list(range(1, 13)), list(range(13, 26))]
+        meta, pages, n = M.pack_decode([1, 2], [740, 790], tables, 2, eng.max_pages, 64,
+                                       eng.arenas)
+        texts["forward"] = P.forward.lower(model.params, eng.pool.arenas(n), eng.slots[0],
+                                           eng.pending, meta, pages).compile().as_text()
+        samp = np.zeros((7, 2), np.int32)
+        for (stochastic, region), prog in P.sample_step.items():
+            texts[f"sample{stochastic, region}"] = prog.lower(
+                model.params, eng.slots[0], eng.pending, eng.tables, samp).compile().as_text()
+        # Prefill of a prompt after an image prefix, the image prefix itself, and its pages.
+        pre, write, table = M.pack_prefill([1], [730], [730], [5], [tables[0]], 1, 16, 768,
+                                           64)
+        ids = np.zeros((1, 16), np.int32)
+        vals = np.zeros((1, 16, 2), np.float32)
+        texts["prefill_slot"] = P.prefill_slot.lower(
+            model.params, eng.pool, eng.slots[0], ids, ids, vals, pre, write,
+            table).compile().as_text()
+        prep = prepare_image(model, os.path.join(FIXTURE_DIR, "img_sq378.png"))
+        texts["image_kv"] = P.image_kv.lower(model.params, prep.crops, prep.src, prep.ph,
+                                             prep.pw).compile().as_text()
+        k = jax.ShapeDtypeStruct((cfg.text.n_layers, 730, cfg.text.n_kv_heads,
+                                  cfg.text.head_dim), np.float32)
+        s = np.zeros(730, np.int32)
+        texts["write_prefix_pages"] = P.write_prefix_pages.lower(
+            eng.pool, k, k, s, s).compile().as_text()
+        texts["copy_pages"] = P.copy_pages.lower(eng.pool, s[:12], s[:12]).compile().as_text()
+        metas = np.stack([meta] * 3)
+        texts["ceiling"] = P.ceiling.lower(model.params, eng.pool.arenas(n), eng.slots[0],
+                                           eng.pending, eng.tables, metas,
+                                           np.stack([pages] * 3), samp).compile().as_text()
+    finally:
+        eng.close()
+    found = {name: audit(t) for name, t in texts.items()}
+    assert found == {name: [] for name in texts}, found
+    if cfg.text.moe is not None:   # the image prefix ran the MoE block loop: a known trip
+        assert '"known_trip_count"' in texts["image_kv"]

@@ -1,0 +1,375 @@
+"""The paged KV pool: host bookkeeping (pages, reservations, the prefix cache), the metadata a
+step uploads, the decode attention that reads pages in place (XLA sweep and Pallas kernel),
+and the engine under memory pressure: requests wait for pages, cached prefixes are evicted
+and re-created, pinned ones never are, and everything comes back at the end."""
+
+import dataclasses
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from photon_jax import kvpool, memory, meta as M, reference
+from photon_jax.config import moondream2, moondream3, tiny, tiny_md3
+from photon_jax.engine import Engine, Request, RequestError
+from photon_jax.frontend import EncodedImage
+from photon_jax.model import Model
+from photon_jax.pages import PageAllocator, PoolError, PrefixCache, pages_for
+from photon_jax.params import abstract_params, init_params
+from photon_jax.settings import Settings
+from photon_jax.tokenizer import load_tokenizer
+
+from conftest import FIXTURE_DIR, biased_model
+
+IMAGES = [os.path.join(FIXTURE_DIR, f) for f in
+          ("img_land800x600.png", "img_sq378.png", "img_wide1500x400.png",
+           "img_photo512x600.png")]
+
+
+# -- host bookkeeping -------------------------------------------------------------------------
+
+def test_allocator_reserves_then_assigns_lowest_first_and_entries_take_the_top():
+    a = PageAllocator(10)
+    assert (a.usable, a.available()) == (9, 9)
+    a.reserve(4)
+    assert a.available() == 5
+    assert a.take(2, reserved=True) == [1, 2] and a.reserved == 2
+    assert a.take(2, reserved=False, top=True) == [9, 8]
+    assert a.available() == 3
+    with pytest.raises(PoolError):
+        a.reserve(4)
+    a.give_back([1])
+    assert a.take(1, reserved=True) == [1]   # the lowest free page again
+    with pytest.raises(PoolError):
+        a.give_back([5])                      # never handed out
+    with pytest.raises(PoolError):
+        a.give_back([0])                      # the dummy page
+    a.give_back([1, 2, 9, 8])
+    a.unreserve(1)
+    assert (a.in_use(), a.reserved, a.available()) == (0, 0, 9)
+
+
+def test_prefix_cache_evicts_least_recently_used_and_never_a_pinned_entry():
+    a = PageAllocator(9)
+    c = PrefixCache(a)
+    for k in (b"a", b"b", b"c", b"d"):
+        assert c.insert(k, 2, (1, 1)) is not None
+    assert a.available() == 0 and c.insert(b"e", 2, (1, 1)) is None   # no room: not cached
+    c.pin(b"a")
+    c.get(b"b")                     # b is now the most recently used
+    c.evict_for(4)                  # a is pinned: c and d (least recent) go
+    assert list(c.entries) == [b"a", b"b"] and c.evictions == 2
+    c.evict_for(100)                # everything evictable goes, never the pinned entry
+    assert list(c.entries) == [b"a"] and a.available() == 6
+    c.unpin(b"a")
+    c.evict_for(8)
+    assert not c.entries and a.available() == 8
+    off = PrefixCache(PageAllocator(9), enabled=False)
+    assert off.insert(b"x", 2, (1, 1)) is None                      # off: not cached ...
+    assert off.insert(b"x", 2, (1, 1), pin=True) is not None        # ... unless pinned
+    off.unpin(b"x")
+    assert not off.entries and off.allocator.available() == 8       # and dropped at unpin
+
+
+def test_decode_metadata_names_each_page_of_each_row():
+    arenas = M.Arenas.geometric(20, 4)
+    assert arenas.sizes == (4, 4, 8, 4) and arenas.covering(7) == 2 and arenas.covering(8) == 3
+    tables = [[3, 9], [5]]
+    meta, pages, n = M.pack_decode([2, 1], [70, 10], tables, 4, 3, 64, arenas)
+    assert n == 3 and pages.shape == (2, 16)
+    assert meta[M.M_ROW].tolist() == [2, 1, 0, 0] and meta[M.M_POS].tolist() == [70, 10, 0, 0]
+    assert meta[M.M_PAGE].tolist() == [9, 5, 0, 0] and meta[M.M_OFF].tolist() == [6, 10, 0, 0]
+    assert meta[M.M_TABLE:, 0].tolist() == [3, 9, 0] and meta[M.M_TABLE:, 2].tolist() == [0] * 3
+    owner, count = pages
+    assert (owner[3], count[3], owner[9], count[9], owner[5], count[5]) == (0, 64, 0, 7, 1, 11)
+    assert all(owner[p] == 4 and count[p] == 0 for p in range(16) if p not in (3, 9, 5))
+    pre, write, table = M.pack_prefill([1], [730], [730], [3], [list(range(1, 14))], 2, 16,
+                                       768, 64)
+    assert pre[:, 0].tolist() == [1, 730, 730, 2] and pre[:, 1].tolist() == [0, 0, 0, 0]
+    assert write[0, 0, :4].tolist() == [12, 12, 12, 0] and write[1, 0, :3].tolist() == [26, 27,
+                                                                                         28]
+    assert table.shape == (2, 12) and table[0].tolist() == list(range(1, 13))
+
+
+# -- attention over pages ---------------------------------------------------------------------
+
+def dense_attention(q_NH, k_KSH, v_KSH):
+    kh, n = k_KSH.shape[0], q_NH.shape[0]
+    q = q_NH.reshape(kh, n // kh, -1).astype(np.float64)
+    s = np.einsum("kgh,ksh->kgs", q, k_KSH) / np.sqrt(q.shape[-1])
+    w = np.exp(s - s.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    return np.einsum("kgs,ksh->kgh", w, v_KSH).reshape(-1)
+
+
+@pytest.mark.parametrize("kh,g", [(4, 1), (2, 2)], ids=["mha", "gqa"])
+def test_sweep_and_pallas_kernel_equal_dense_attention(kh, g):
+    """Ragged rows, lengths at page boundaries (1, 16, 17, 31, 32, 100 positions), pages
+    scattered over arenas: the XLA sweep and JAX's Pallas paged-attention kernel (run by the
+    Pallas interpreter) both equal attention over the row's positions gathered densely."""
+    rng = np.random.default_rng(kh)
+    h, page, m = 32, 16, 8
+    arenas = M.Arenas((12, 12, 24))
+    p = arenas.n_pages
+    k = rng.normal(size=(kh, p, page, h)).astype(np.float32)
+    v = rng.normal(size=(kh, p, page, h)).astype(np.float32)
+    positions = [0, 15, 16, 30, 31, 99]
+    free = rng.permutation(np.arange(1, p)).tolist()
+    tables = []
+    for pos in positions:
+        n = pos // page + 1
+        tables.append(free[:n])
+        free = free[n:]
+    meta, pages, n = M.pack_decode(list(range(1, 7)), positions, tables, 8, m, page, arenas)
+    q = rng.normal(size=(8, kh * g, h)).astype(np.float32)
+    split = [jnp.asarray(a) for a in np.split(k, np.cumsum(arenas.sizes)[:-1], 1)[:n]]
+    splitv = [jnp.asarray(a) for a in np.split(v, np.cumsum(arenas.sizes)[:-1], 1)[:n]]
+    table = jnp.asarray(meta[M.M_TABLE:].T)
+    sweep = np.asarray(jax.jit(kvpool.decode_attend)(tuple(split), tuple(splitv),
+                                                     jnp.asarray(q), jnp.asarray(pages[0]),
+                                                     jnp.asarray(pages[1]), table))
+    kern = np.asarray(kvpool.kernel_attend((jnp.asarray(k),), (jnp.asarray(v),),
+                                           jnp.asarray(q), table,
+                                           jnp.asarray(meta[M.M_POS] + 1), interpret=True))
+    for i, (pos, t) in enumerate(zip(positions, tables)):
+        want = dense_attention(q[i], np.concatenate([k[:, j] for j in t], 1)[:, :pos + 1],
+                               np.concatenate([v[:, j] for j in t], 1)[:, :pos + 1])
+        np.testing.assert_allclose(sweep[i], want, atol=2e-6)
+        np.testing.assert_allclose(kern[i], want, atol=2e-6)
+    assert np.all(sweep[6:] == 0)   # padding rows of the bucket own no page
+
+
+def test_pallas_kernel_in_the_model_equals_the_xla_sweep(tiny_ckpt):
+    """A whole decode step of the Moondream 3 fixture model (tau attention, MoE) with the
+    kernel (interpreted) in place of the sweep: the same logits."""
+    cfg = tiny_md3()
+    params = init_params(jax.random.PRNGKey(3), cfg)
+    tok = load_tokenizer(os.path.join(FIXTURE_DIR, "tokenizer.json"))
+    outs = []
+    for attention in ("xla", "pallas-interpret"):
+        m = Model(cfg, params, tok, attention=attention)
+        eng = Engine(m, max_batch_size=2, max_context=1024, kv_cache_tokens=4096,
+                     page_size=16)
+        try:
+            hs = eng.submit_many([Request("text", m.prompts.caption(c), IMAGES[i],
+                                          Settings(max_tokens=3, temperature=0),
+                                          ignore_eos=True)
+                                  for i, c in ((0, "short"), (1, "long"))])
+            outs.append([h.result(timeout=600)["ids"] for h in hs])
+        finally:
+            eng.close()
+    assert outs[0] == outs[1]
+
+
+# -- the engine under memory pressure --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return biased_model(tiny_ckpt, {0: 0.8})
+
+
+@pytest.fixture(scope="module")
+def encoded(model):
+    return {p: reference.encode_image(model, p) for p in IMAGES}
+
+
+def ref_ids(model, encoded, req):
+    enc = None if req.image is None else encoded[req.image]
+    return reference.generate_text(model, enc, req.prompt, req.settings)["ids"]
+
+
+def test_a_small_pool_makes_requests_wait_evicts_and_recreates_prefixes(model, encoded):
+    """A pool with room for two requests at a time and a few cached prefixes, 16 requests
+    over 4 images from 4 threads: every request finishes with the one-request path's output
+    in the pipelined engine with the cache and in its blocking twin without; the pool, not
+    max_batch_size, bounds the rows; every page is free after close()."""
+    pr = model.prompts
+    rng = np.random.default_rng(0)
+    reqs = []
+    for i in range(16):
+        s = Settings(temperature=0.0 if i % 3 else 0.8, seed=i,
+                     max_tokens=int(rng.integers(4, 30)))
+        prompt = pr.caption("short") if i % 2 else pr.query(f"w{rng.integers(50, 900)}")
+        reqs.append(Request("text", prompt, IMAGES[int(rng.integers(4))], s))
+    want = [ref_ids(model, encoded, r) for r in reqs]
+    tokens = 2 * 800 + 2 * 768   # about four requests at a time, or fewer and a few prefixes
+    # The pipelined engine with the cache, its blocking twin without: both dimensions.
+    for pipelined, cache in ((True, True), (False, False)):
+        eng = Engine(model, max_batch_size=8, max_context=800, kv_cache_tokens=tokens,
+                     page_size=32, pipelined=pipelined, prefix_cache=cache)
+        fits = eng.alloc.usable // pages_for(model.cfg.prefix_len + 5 + 4, 32)
+        got = [None] * len(reqs)
+        try:
+            def client(k):
+                hs = [(i, eng.submit(reqs[i])) for i in range(k, len(reqs), 4)]
+                for i, h in hs:
+                    got[i] = h.result(timeout=600)["ids"]
+
+            threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            stats = eng.stats()["prefix_cache"]
+            peak = max(s["rows"] for s in eng.step_log())
+        finally:
+            eng.close()
+        assert got == want, (pipelined, cache)
+        assert peak <= fits < 8   # the pool, not max_batch_size, bounded the rows
+        if cache:
+            # Every image request was a hit or a miss.  How many of each depends on the
+            # threads' timing; eviction and re-creation are checked deterministically by
+            # `test_an_evicted_prefix_is_recreated_exactly`.
+            assert stats["hits"] + stats["misses"] == len(reqs) and stats["inserts"] > 0
+        else:
+            assert stats["hits"] == 0 and stats["entries"] == 0
+        assert (eng.alloc.in_use(), eng.alloc.reserved) == (0, 0)
+
+
+def test_an_evicted_prefix_is_recreated_exactly(model, encoded):
+    """A pool with room for one request and one cached prefix, requests one after another:
+    image A is cached, B evicts it, A again evicts B and re-creates A's entry, A once more
+    hits it; every output equals the one-request path's."""
+    page = 32
+    req_pages = pages_for(model.cfg.prefix_len + 16 + 4, page)
+    eng = Engine(model, max_batch_size=1, max_context=800, page_size=page,
+                 kv_cache_tokens=(req_pages + pages_for(model.cfg.prefix_len, page) + 4) * page)
+    try:
+        s = Settings(max_tokens=4, temperature=0)
+        for img in (IMAGES[0], IMAGES[1], IMAGES[0], IMAGES[0]):
+            r = Request("text", model.prompts.caption("short"), img, s)
+            assert eng.submit(r).result(timeout=300)["ids"] == ref_ids(model, encoded, r)
+        st = eng.stats()["prefix_cache"]
+        assert (st["inserts"], st["evictions"], st["hits"], st["misses"]) == (3, 2, 1, 3)
+    finally:
+        eng.close()
+    assert (eng.alloc.in_use(), eng.alloc.reserved) == (0, 0)
+
+
+def test_a_request_larger_than_the_pool_fails_alone(model, encoded):
+    eng = Engine(model, max_batch_size=2, max_context=2048, kv_cache_tokens=1024, page_size=64)
+    try:
+        big = eng.submit(Request("text", model.prompts.caption("short"), IMAGES[0],
+                                 Settings(max_tokens=700)))
+        ok = eng.submit(Request("text", model.prompts.caption("short"), IMAGES[0],
+                                Settings(max_tokens=20, temperature=0)))
+        with pytest.raises(RequestError, match="more than the whole KV pool .1024 tokens.; "
+                                               "raise kv_cache_tokens"):
+            big.result(timeout=60)
+        assert ok.result(timeout=300)["ids"] == ref_ids(model, encoded, ok.request)
+    finally:
+        eng.close()
+
+
+def test_cancelling_frees_pages_at_the_right_commit(model, encoded):
+    """A waiting request holds no pages; a running one keeps its pages until the commit of
+    its last step in flight, then gives them all back."""
+    eng = Engine(model, max_batch_size=1, max_context=800, kv_cache_tokens=800, page_size=64,
+                 record_events=True, prefix_cache=False)
+    try:
+        long = eng.submit(Request("text", model.prompts.caption("long"), IMAGES[1],
+                                  Settings(max_tokens=60), ignore_eos=True))
+        waiting = eng.submit(Request("text", model.prompts.caption("short"), IMAGES[1],
+                                     Settings(max_tokens=5)))
+        while not any(s["kind"] == "decode" for s in eng.step_log()):
+            pass
+        assert eng.memory()["pages_in_sequences"] > 0
+        waiting.cancel()   # it waits for pages behind `long`: cancelled before any work
+        assert waiting.result(timeout=60)["finish_reason"] == "cancelled"
+        long.cancel()
+        assert long.result(timeout=60)["finish_reason"] == "cancelled"
+        mem = eng.memory()
+        assert (mem["pages_in_sequences"], mem["pages_reserved"]) == (0, 0)
+        ev = {e[0]: e for e in eng.events if e[1] == long.id}
+        assert ev["release"][2] >= ev["finalize"][2]   # released at or after its last commit
+    finally:
+        eng.close()
+
+
+def test_a_pinned_prefix_is_never_evicted(model, encoded):
+    """An EncodedImage pins its prefix: other images churn through a pool with room for one
+    more cached prefix, and the pinned one keeps serving hits until it is released."""
+    eng = Engine(model, max_batch_size=1, max_context=800, kv_cache_tokens=3 * 768 + 100,
+                 page_size=64)
+    try:
+        pinned = eng.encode(IMAGES[0]).result(timeout=300)
+        assert isinstance(pinned, EncodedImage)
+        s = Settings(max_tokens=4, temperature=0)
+        for img in IMAGES[1:] * 2:
+            eng.submit(Request("text", eng.model.prompts.caption("short"), img, s)).result(
+                timeout=300)
+        st = eng.stats()["prefix_cache"]
+        assert st["evictions"] > 0 and pinned.key in eng.cache.entries
+        hits = st["hits"]
+        q = Request("text", eng.model.prompts.caption("short"), pinned, s)
+        assert eng.submit(q).result(timeout=300)["ids"] == ref_ids(
+            model, encoded, Request("text", q.prompt, IMAGES[0], s))
+        assert eng.stats()["prefix_cache"]["hits"] == hits + 1
+        pinned.release()
+        eng.submit(Request("text", eng.model.prompts.caption("short"), IMAGES[1], s)).result(
+            timeout=300)
+        assert eng.stats()["prefix_cache"]["pinned"] == 0
+    finally:
+        eng.close()
+    assert (eng.alloc.in_use(), eng.alloc.reserved) == (0, 0)
+
+
+# -- memory accounting -------------------------------------------------------------------------
+
+def nbytes(tree):
+    return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+@pytest.mark.parametrize("cfg,ctx", [(moondream2("bfloat16"), 2048),
+                                     (moondream3("bfloat16"), 32768)], ids=["md2", "md3-32k"])
+def test_full_size_accounting_from_shapes(cfg, ctx):
+    """Weights and pool bytes of the real models, from abstract shapes (nothing allocated),
+    and the default pool of the GPUs they fit."""
+    p = memory.plan(cfg, platform="gpu", max_batch_size=32, max_context=ctx, page_size=64,
+                    kv_cache_tokens=32 * ctx)
+    assert p.weights == nbytes(jax.eval_shape(lambda: abstract_params(cfg)))
+    pool = jax.eval_shape(lambda: kvpool.init_pool(cfg.text, p.arenas.sizes, 64, cfg.dtype))
+    assert p.pool == nbytes(pool) == p.n_pages * 64 * memory.bytes_per_token(cfg)
+    assert memory.bytes_per_token(cfg) == 24 * 2 * 32 * 64 * 2   # 192 KiB per position
+    md3 = cfg.family == "moondream3"
+    for gb in ((80,) if md3 else (16, 80)):
+        free = gb * 10**9
+        d = memory.plan(cfg, platform="gpu", max_batch_size=32, max_context=ctx,
+                        page_size=64, free=free)
+        assert d.total <= free and d.pool >= 0.85 * (free - d.weights - d.slots - d.workspace)
+    if md3:
+        # 18.5 GB of weights: no room on a 16 GB GPU, said with the numbers.
+        with pytest.raises(memory.MemoryError_, match=r"no room for a KV pool: .*weights "
+                                                      r"\(17\.\d\d GiB\)"):
+            memory.plan(cfg, platform="gpu", max_batch_size=32, max_context=ctx, page_size=64,
+                        free=16 * 10**9)
+        # 32 full-context rows (192 GiB of KV) fit no GPU: refused with numbers and settings.
+        with pytest.raises(memory.MemoryError_, match=r"KV pool 192\.\d\d GiB.*Lower "
+                                                      r"kv_cache_tokens \(--kv-cache-tokens\)"):
+            memory.check(dataclasses.replace(p, capacity=140 * 10**9), cfg,
+                         max_context=ctx, weights_loaded=False)
+
+
+def test_the_engine_refuses_a_pool_larger_than_the_device(model, monkeypatch):
+    monkeypatch.setattr(memory, "device_free", lambda device: 64 << 20)
+    with pytest.raises(memory.MemoryError_, match="does not fit the device"):
+        Engine(model, max_batch_size=2, kv_cache_tokens=200_000)
+    assert pages_for(65, 64) == 2 and tiny().prefix_len == 730
+
+
+def test_load_refuses_before_reading_the_weights(tiny_ckpt, monkeypatch):
+    """Moondream.load checks weights + pool + slots against the device before it restores a
+    byte of the checkpoint, and names the setting to change."""
+    from photon_jax import Moondream, checkpoint
+
+    def no_restore(*a, **k):
+        raise AssertionError("the weights were read before the memory check")
+
+    monkeypatch.setattr(checkpoint, "restore_params", no_restore)
+    monkeypatch.setattr(memory, "device_free", lambda device: 256 << 20)
+    with pytest.raises(memory.MemoryError_, match=r"does not fit the device: weights .* "
+                                                  r"Lower kv_cache_tokens"):
+        Moondream.load(tiny_ckpt, kv_cache_tokens=1_000_000, compile_cache=False)

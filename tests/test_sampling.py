@@ -1,0 +1,69 @@
+"""Top-p over a candidate set equals the reference's full sort whenever the nucleus fits in
+the candidates: the same kept set and the same draw from the same key."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from photon_jax import sampling
+
+
+def full_sort_draw(logits_V, temperature, top_p, key):
+    """The reference's top-p, as photon_jax ran it before the candidate cap: softmax, a
+    stable descending sort of the whole vocabulary, cumulative mass, categorical."""
+    probs = jax.nn.softmax(logits_V / temperature)
+    order = jnp.argsort(-probs, stable=True)
+    sorted_p = probs[order]
+    cum = jnp.cumsum(sorted_p)
+    kept = jnp.where(cum - sorted_p > top_p, 0.0, sorted_p)
+    kept = kept / kept.sum()
+    return order[jax.random.categorical(key, jnp.log(kept))]
+
+
+def nucleus_size(logits_V, temperature, top_p):
+    p = np.sort(np.asarray(jax.nn.softmax(logits_V / temperature), np.float64))[::-1]
+    cum = np.cumsum(p)
+    return int(np.sum(cum - p <= top_p))
+
+
+@pytest.mark.parametrize("candidates", [16, 64])
+def test_candidates_reproduce_the_full_sort_when_the_nucleus_fits(candidates):
+    rng = np.random.default_rng(candidates)
+    v, fits, checked = 4096, 0, 0
+    new = jax.jit(lambda lg, t, p, s, i: sampling.draw(lg, t, p, s, i, candidates))
+    old = jax.jit(jax.vmap(lambda lg, t, p, key: full_sort_draw(lg, t, p, key)))
+    for trial in range(6):
+        r = 64
+        # Peaked and flat rows, ties included (repeated logits).
+        scale = rng.choice([0.5, 2.0, 6.0], size=(r, 1))
+        logits = rng.normal(size=(r, v)).astype(np.float32) * scale.astype(np.float32)
+        logits[:, 10:14] = logits[:, 10:11]
+        temp = rng.choice([0.3, 0.7, 1.0, 1.5], size=r).astype(np.float32)
+        top_p = rng.choice([0.1, 0.3, 0.6, 0.9], size=r).astype(np.float32)
+        seed = rng.integers(0, 1000, r).astype(np.int32)
+        index = rng.integers(0, 50, r).astype(np.int32)
+        got = np.asarray(new(jnp.asarray(logits), temp, top_p, seed, index))
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seed, index)
+        want = np.asarray(old(jnp.asarray(logits), temp, top_p, keys))
+        for i in range(r):
+            n = nucleus_size(logits[i], temp[i], top_p[i])
+            checked += 1
+            if n < candidates:   # the nucleus fits: identical draw
+                fits += 1
+                assert got[i] == want[i], (trial, i, n)
+            else:                # it does not: a draw among the most probable candidates
+                top = np.argsort(-logits[i], kind="stable")[:candidates + 4]
+                assert got[i] in top
+    assert fits > checked // 4 and fits < checked   # both cases were exercised
+
+
+def test_greedy_rows_and_the_greedy_variant_take_the_argmax():
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(5, 300)), jnp.float32)
+    want = np.argmax(np.asarray(logits), -1)
+    z = jnp.zeros(5, jnp.float32)
+    i = jnp.zeros(5, jnp.int32)
+    assert np.asarray(sampling.draw(logits, z, z + 1, i, i)).tolist() == want.tolist()
+    ban = -jnp.ones((5, 1), jnp.int32)
+    assert np.asarray(sampling.sample(logits, ban, z, z + 1, i, i, stochastic=False)).tolist() \
+        == want.tolist()
