@@ -1,15 +1,22 @@
-"""What does computing only the selected experts buy?  One JSON line per (schedule, tokens).
+"""Moondream 3's mixture-of-experts MLP: every schedule, per token count, in ms and bytes.
 
-The MoE MLP of one layer of the small Moondream 3 config (`pipeline.py --config small_md3`:
-width 512, 32 experts, top-4, expert width 256), on CPU, at decode token counts (rows of one
-step: 1, 8, 32) and prefill ones (a 16-token prompt; 746 = image prefix + prompt), for:
-  selected  photon_jax.moe.moe_mlp (sorted blocks, a loop over the blocks used)
-  dense     moe.dense_reference (every expert for every token, then the top-k mix)
-  ragged    the same sort, with jax.lax.ragged_dot as the grouped matmul (on CPU, jax 0.10
-            lowers it to a masked product over every group)
-Times are medians of jitted calls after a warm-up call; `max_abs_diff` is against dense.
+One layer of the small Moondream 3 config (`common.small_md3_config`: width 512, 32
+experts, top-4, expert width 256) on this machine, at decode token counts (the rows of one
+step: 1, 8, 32) and a prefill one (746 = image prefix + a 16-token prompt), for:
 
-    python bench/moe.py [--reps 7] [--tokens 1 8 32 16 746]
+  dense    every expert for every token, then the top-k mix: reads each expert once
+  gather   the distinct selected experts gathered, applied to every token
+  blocks   assignments sorted by expert, a loop over a static number of one-expert blocks
+  ragged   the same sort, `jax.lax.ragged_dot` as the grouped matmul (GPU's grouped GEMM;
+           on CPU a masked product over every expert)
+  chosen   what `moe.moe_mlp` runs for that token count on CPU (`moe.schedule`)
+
+Keys: ms (median of --reps jitted calls after a warm-up), bytes_accessed (XLA's cost analysis
+of the compiled call; the block loop is compiled unrolled for it, since the analysis counts a
+loop body once), selected_weight_bytes (the weights of the distinct experts this input
+selects, plus the router), bytes_over_selected, max_abs_diff (against dense).
+
+    python bench/moe.py [--reps 7] [--tokens 1 8 32 746]
 """
 
 from __future__ import annotations
@@ -21,32 +28,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-
-def ragged(p, x, k):
-    """jax.lax.ragged_dot over the assignments sorted by expert (not used by the model)."""
-    import jax
-    import jax.numpy as jnp
-
-    from photon_jax import moe
-
-    ids, w = moe.route(p, x, k)
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    counts = jnp.zeros(p["fc1"].shape[0], jnp.int32).at[flat].add(1)
-    prec = jax.lax.Precision.HIGHEST
-    h = jax.lax.ragged_dot(x[order // k], p["fc1"], counts, precision=prec)
-    inner = p["fc2"].shape[1]
-    y = jax.lax.ragged_dot(moe.gelu_erf(h[:, :inner]) * (h[:, inner:] + 1), p["fc2"], counts,
-                           precision=prec)
-    y = jnp.zeros_like(y).at[order].set(y).reshape(x.shape[0], k, -1)
-    return (y * w[..., None]).sum(1)
+from common import env_info, small_md3_config  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 16, 746])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 746])
     args = ap.parse_args(argv)
     from functools import partial
 
@@ -55,29 +43,45 @@ def main(argv=None) -> int:
 
     from photon_jax import moe
     from photon_jax.params import init_params
-    from pipeline import small_md3_config
+    from photon_jax.text import unstack_layers
 
     cfg = small_md3_config()
-    k = cfg.text.moe.experts_per_token
-    params = init_params(jax.random.PRNGKey(0), cfg)
-    p = jax.tree.map(lambda a: a[0], params["text"]["moe_blocks"]["moe"])
-    fns = {"selected": jax.jit(partial(moe.moe_mlp, k=k)),
-           "dense": jax.jit(partial(moe.dense_reference, k=k)),
-           "ragged": jax.jit(partial(ragged, k=k))}
+    k, e = cfg.text.moe.experts_per_token, cfg.text.moe.num_experts
+    params = unstack_layers(init_params(jax.random.PRNGKey(0), cfg))
+    p = params["text"]["moe_blocks"][0]["moe"]
+    expert_bytes = (p["fc1"][0].nbytes + p["fc2"][0].nbytes)
+    router_bytes = sum(x.nbytes for x in jax.tree.leaves(p["router"]))
     for n in args.tokens:
         x = jax.random.normal(jax.random.PRNGKey(n), (n, cfg.text.dim))
-        ref = np.asarray(fns["dense"](p, x))
-        for name, fn in fns.items():
+        ids, _ = moe.route(p, x, k)
+        distinct = len(np.unique(np.asarray(ids)))
+        selected = distinct * expert_bytes + router_bytes
+        ref = np.asarray(jax.jit(partial(moe.dense_reference, k=k))(p, x))
+        chosen = moe.schedule(n, e, k, "blocks")
+        for name in ("dense", "gather", "blocks", "ragged", "chosen"):
+            how = chosen if name == "chosen" else name
+            fn = jax.jit(partial(moe.moe_mlp, k=k, schedule_=how))
             out = np.asarray(fn(p, x))
             ts = []
             for _ in range(args.reps):
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn(p, x))
                 ts.append(time.perf_counter() - t0)
-            print(json.dumps({"kind": "moe", "schedule": name, "tokens": n,
-                              "experts": cfg.text.moe.num_experts, "top_k": k,
-                              "ms": round(1e3 * float(np.median(ts)), 3),
-                              "max_abs_diff": float(np.abs(out - ref).max())}), flush=True)
+            if how == "blocks":   # unrolled, so that the cost analysis sees every block
+                costed = jax.jit(lambda p, x: moe.moe_mlp(p, x, k, schedule_="blocks",
+                                                          unroll=True))
+            else:
+                costed = fn
+            ca = costed.lower(p, x).compile().cost_analysis()
+            ca = ca[0] if isinstance(ca, list) else ca
+            print(json.dumps({
+                "kind": "moe", "schedule": name, "runs": how, "tokens": n, "experts": e,
+                "top_k": k, "distinct_experts": distinct,
+                "ms": round(1e3 * float(np.median(ts)), 3),
+                "bytes_accessed": int(ca["bytes accessed"]),
+                "selected_weight_bytes": int(selected),
+                "bytes_over_selected": round(ca["bytes accessed"] / selected, 3),
+                "max_abs_diff": float(np.abs(out - ref).max()), **env_info()}), flush=True)
     return 0
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import pipeline as P  # noqa: E402 - the shared model builder and allocator settings
+import common as P  # noqa: E402 - the shared model builder and allocator settings
 
 SIZES = {2: (378, 378), 9: (800, 600), 13: (1000, 700)}
 
@@ -61,9 +61,9 @@ def images_per_s(model, crops: int, n: int, reps: int) -> float:
 def crops_per_s(model, crops: int, reps: int) -> float:
     import jax
 
-    from photon_jax import reference
+    from photon_jax.frontend import prepare_image
 
-    prep = reference.prepare_image(model, image(13))
+    prep = prepare_image(model, image(13))
     c = jax.device_put(np.random.default_rng(crops).integers(0, 255, (crops, 378, 378, 3),
                                                              np.uint8))
     prog = model.programs.image_kv

@@ -1,0 +1,476 @@
+"""What the benchmark scripts share: model configs and builders, random image prefixes, the
+requests of a fixed-length decode run, the device state of a decode step built the engine's
+way, the per-step cost from XLA's cost analysis next to its floor, and the CPU allocator
+settings.  The scripts import this module; they never import each other.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:   # run from a checkout without installing
+    sys.path.insert(0, ROOT)
+TOKENIZER = os.path.join(ROOT, "tests", "fixtures", "moondream2-tiny", "tokenizer.json")
+RESULTS = os.path.join(HERE, "results")
+PROMPT_TOKENS = 16
+# XLA's CPU runtime allocates each execution's temporaries with malloc.  glibc gives each
+# thread its own arena and hands freed memory of big blocks back to the OS, so every execution
+# pays page faults and zeroing for its temporaries (measured: ~33k faults, ~30% of a batch-32
+# forward).  An accelerator's runtime keeps a caching allocator, so this is a CPU artifact,
+# and it would penalise the two-program step (forward, then sample) against the one-program
+# ceiling.  One arena, no mmap, no trimming: freed memory is reused, for all three loops.
+CPU_ALLOCATOR_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
+                     "MALLOC_TRIM_THRESHOLD_": str(64 << 30), "MALLOC_TOP_PAD_": str(512 << 20)}
+
+
+def reexec_with_allocator_env(script: str) -> None:
+    """Restart this process with CPU_ALLOCATOR_ENV unless it is already set."""
+    if os.environ.get("MALLOC_ARENA_MAX") != CPU_ALLOCATOR_ENV["MALLOC_ARENA_MAX"]:
+        os.execve(sys.executable, [sys.executable, os.path.abspath(script), *sys.argv[1:]],
+                  {**os.environ, **CPU_ALLOCATOR_ENV})
+
+
+# -- configs and models -----------------------------------------------------------------------
+
+def small_config():
+    from photon_jax.config import MoondreamConfig, RegionConfig, TextConfig, VisionConfig
+
+    return MoondreamConfig(
+        text=TextConfig(dim=512, ff_dim=2048, n_layers=4, vocab_size=32768, max_context=1024,
+                        n_heads=8, n_kv_heads=8),
+        vision=VisionConfig(enc_dim=16, enc_ff_dim=32, enc_n_heads=2, enc_n_layers=1,
+                            proj_out_dim=512, proj_inner_dim=128),
+        region=RegionConfig(dim=512, inner_dim=128),
+        dtype="float32",
+    )
+
+
+def tiny_config():
+    from photon_jax.config import tiny
+
+    return tiny()
+
+
+def md2_config():
+    from photon_jax.config import moondream2
+
+    return moondream2("bfloat16")
+
+
+def md3_config():
+    from photon_jax.config import moondream3
+
+    return moondream3("bfloat16")
+
+
+def small_md3_config():
+    """"small" with Moondream 3's parts: tau attention, layers 2-3 mixtures of 32 experts
+    (top-4, expert width 256: the real model's 1/8 of experts per token), linear region
+    heads."""
+    from dataclasses import replace
+
+    from photon_jax.config import MoEConfig, moondream3
+
+    base, md3 = small_config(), moondream3("float32")
+    return replace(md3, text=replace(base.text, rope_theta=1.5e6, tau=True,
+                                     moe=MoEConfig(32, 2, 4, 256)),
+                   vision=base.vision, region=replace(md3.region, dim=512))
+
+
+def small_v27_config():
+    """"small"'s text model with the fixture's 27-layer vision tower: what the public
+    reference can run (it takes the vision layer count as the patch grid side)."""
+    from dataclasses import replace
+
+    from photon_jax.config import tiny
+
+    return replace(small_config(), vision=replace(tiny().vision, proj_out_dim=512))
+
+
+CONFIGS = {"small": small_config, "tiny": tiny_config, "md2": md2_config, "md3": md3_config,
+           "small_md3": small_md3_config, "small_v27": small_v27_config}
+
+
+def build_model(name: str, eos_bias: float = 0.0, dtype: str | None = None):
+    """A Model of config `name` with random weights (an EOS logit bias if asked)."""
+    import jax
+
+    from photon_jax.model import Model
+    from photon_jax.params import init_params
+    from photon_jax.tokenizer import load_tokenizer
+
+    cfg = CONFIGS[name]()
+    if dtype:
+        cfg = cfg.with_dtype(dtype)
+    params = init_params(jax.random.PRNGKey(0), cfg)
+    if eos_bias:
+        head = params["text"]["lm_head"]
+        head["b"] = head["b"].at[cfg.tokenizer.eos_id].add(eos_bias)
+    return Model(cfg, params, load_tokenizer(TOKENIZER))
+
+
+def prefix(model):
+    """A random image prefix (BOS + 729 image positions, dense K/V): prompts start at 730
+    without paying for a 730-token prefill per run."""
+    import jax
+    import numpy as np
+
+    from photon_jax.frontend import ImagePrefix
+
+    t = model.cfg.text
+    shape = (t.n_layers, model.cfg.prefix_len, t.n_kv_heads, t.head_dim)
+    rng = np.random.default_rng(1)
+    kv = [jax.device_put(rng.normal(size=shape).astype(np.float32)).astype(model.cfg.dtype)
+          for _ in range(2)]
+    return ImagePrefix(kv[0], kv[1], (1, 1))
+
+
+def start(model, prompt_tokens: int = PROMPT_TOKENS) -> int:
+    """The first decode position of the benchmark's requests."""
+    return model.cfg.prefix_len + prompt_tokens
+
+
+def requests(model, enc, batch: int, steps: int, settings=None, ignore_eos=True,
+             prompt_tokens: int = PROMPT_TOKENS):
+    import numpy as np
+
+    from photon_jax.engine import Request
+    from photon_jax.settings import Settings
+
+    rng = np.random.default_rng(0)
+    s = settings or Settings(temperature=0.0, max_tokens=steps + 1)   # token 0: the prefill
+    return [Request("text", rng.integers(10, 30000, prompt_tokens).tolist(), enc, s,
+                    ignore_eos=ignore_eos) for _ in range(batch)]
+
+
+# -- a decode step's device state, built the engine's way -------------------------------------
+
+def memory_plan(model, batch: int, page_size: int = 64, kv_cache_tokens: int | None = None):
+    """The pool an Engine(max_batch_size=batch) would get on this backend (a GPU gets just
+    what the run needs, not 90% of its memory)."""
+    import jax
+
+    from photon_jax import memory
+
+    cfg = model.cfg
+    plat = jax.devices()[0].platform
+    if kv_cache_tokens is None and plat != "cpu":
+        kv_cache_tokens = batch * cfg.text.max_context
+    return memory.plan(cfg, platform=plat, max_batch_size=batch,
+                       max_context=cfg.text.max_context, page_size=page_size,
+                       kv_cache_tokens=kv_cache_tokens, free=None if plat != "cpu" else
+                       memory.device_free(jax.devices()[0]))
+
+
+def row_tables(batch: int, positions: int, page_size: int) -> list[list[int]]:
+    """Page tables of `batch` rows holding `positions` positions each, pages handed out
+    lowest-first (page 0 is the dummy page)."""
+    from photon_jax.pages import pages_for
+
+    n = pages_for(positions, page_size)
+    return [list(range(1 + r * n, 1 + (r + 1) * n)) for r in range(batch)]
+
+
+def decode_metas(model, batch: int, first: int, steps: int, plan):
+    """Stacked (meta_NFR, pages_N2P) of `steps` decode steps of `batch` rows (rows 1..batch)
+    from position `first`, and the number of arenas they read (the same for all steps)."""
+    import numpy as np
+
+    from photon_jax.meta import pack_decode
+    from photon_jax.pages import pages_for
+
+    page = plan.page_size
+    tables = row_tables(batch, first + steps, page)
+    m = pages_for(model.cfg.text.max_context, page)
+    n_arenas = plan.arenas.covering(max(max(t) for t in tables))
+    metas, pages = [], []
+    for i in range(steps):
+        mt, pg, _ = pack_decode(list(range(1, batch + 1)), [first + i] * batch, tables, batch,
+                                m, page, plan.arenas)
+        width = plan.arenas.pages_in(n_arenas)
+        full = np.zeros((2, width), np.int32)
+        full[0] = batch
+        full[:, :pg.shape[1]] = pg
+        metas.append(mt)
+        pages.append(full)
+    return np.stack(metas), np.stack(pages), n_arenas
+
+
+def device_state(model, batch: int, steps: int, page_size: int = 64,
+                 prompt_tokens: int = PROMPT_TOKENS):
+    """Everything one decode step of `batch` rows needs on the device, as the engine lays it
+    out: the pool's arenas the steps read, a slot, the pending buffers, the constraint
+    table, the per-step metadata of `steps` steps from `start(model)`, and sampling rows."""
+    import jax
+    import numpy as np
+
+    from photon_jax import kvpool, skills, step as step_mod
+
+    cfg = model.cfg
+    plan = memory_plan(model, batch, page_size)
+    metas, pages, n_arenas = decode_metas(model, batch, start(model, prompt_tokens), steps,
+                                          plan)
+    pool = kvpool.init_pool(cfg.text, plan.arenas.sizes[:n_arenas], page_size, cfg.dtype)
+    slot = step_mod.init_slot(cfg, batch)
+    pending = step_mod.init_pending(batch + 1)
+    tables = step_mod.Tables(**jax.device_put(step_mod.make_tables(cfg)))
+    samp = np.zeros((step_mod.S_ALLOW + 1, batch), np.int32)
+    samp[step_mod.S_ROW] = np.arange(1, batch + 1)
+    samp[step_mod.S_CONSTRAINT] = skills.BAN_ANSWER
+    samp[step_mod.S_INDEX] = 1
+    samp[step_mod.S_TOP_P] = np.ones(batch, np.float32).view(np.int32)
+    samp[step_mod.S_ALLOW] = -1
+    return {"pool": pool, "slot": slot, "pending": pending, "tables": tables,
+            "metas": metas, "pages": pages, "samp": samp, "plan": plan, "n_arenas": n_arenas}
+
+
+# -- bytes: XLA's cost analysis of a decode step, next to its floor -------------------------
+
+def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: str = "cpu",
+                attention: str = "xla") -> dict:
+    """Bytes accessed by the compiled decode forward (`step.forward`) of `batch` rows at
+    `position`, from XLA's cost analysis, compiled from abstract shapes only (nothing is
+    allocated: works at full model size), next to its floor: the weights the step must read
+    (text weights but the embedding table, one embedding row per row, the region encoders),
+    the attended KV (every row's positions 0..position) and the logits written."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from photon_jax import kvpool, memory, step as step_mod
+    from photon_jax.params import abstract_params
+    from photon_jax.text import unstack_layers
+
+    # The pool `memory_plan` gives the benchmark's runs on this backend.
+    tokens = batch * cfg.text.max_context
+    if platform_ == "cpu":
+        tokens += 4 * cfg.prefix_len
+    plan = memory.plan(cfg, platform=platform_, max_batch_size=batch,
+                       max_context=cfg.text.max_context, page_size=page_size,
+                       kv_cache_tokens=tokens, free=None, sweep=attention == "xla")
+
+    class _Model:
+        pass
+
+    m = _Model()
+    m.cfg = cfg
+    metas, pages, n_arenas = decode_metas(m, batch, position, 1, plan)
+    params = jax.eval_shape(unstack_layers, abstract_params(cfg))   # as a loaded model
+    pool = kvpool.abstract_pool(cfg.text, plan.arenas.sizes[:n_arenas], page_size, cfg.dtype)
+    slot = jax.eval_shape(lambda: step_mod.init_slot(cfg, batch))
+    pending = jax.eval_shape(lambda: step_mod.init_pending(batch + 1))
+    prog = step_mod.build(cfg, attention).forward
+    compiled = prog.lower(params, pool, slot, pending,
+                          jax.ShapeDtypeStruct(metas[0].shape, jnp.int32),
+                          jax.ShapeDtypeStruct(pages[0].shape, jnp.int32)).compile()
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, list) else ca
+    t, itemsize = cfg.text, jnp.dtype(cfg.dtype).itemsize
+    text_w = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params["text"]))
+    region = params["region"]
+    region_w = sum(int(np.prod(x.shape)) for k in ("coord_encoder", "size_encoder",
+                                                   "coord_features", "size_features")
+                   for x in jax.tree.leaves(region[k]))
+    weights = (text_w - t.vocab_size * t.dim + batch * t.dim + region_w) * itemsize
+    kv = 2 * t.n_layers * batch * (position + 1) * t.n_kv_heads * t.head_dim * itemsize
+    logits = batch * t.vocab_size * 4
+    floor = weights + kv + logits
+    swept = plan.arenas.pages_in(n_arenas) * page_size * memory.bytes_per_token(cfg)
+    return {"batch": batch, "position": position, "page_size": page_size,
+            "bytes_accessed": int(ca["bytes accessed"]), "floor_bytes": int(floor),
+            "weights_bytes": int(weights), "attended_kv_bytes": int(kv),
+            "logits_bytes": int(logits), "swept_kv_bytes": int(swept),
+            "over_floor": round(ca["bytes accessed"] / floor, 3)}
+
+
+# -- the three loops of a decode run, and the cost model (pipeline.py, gpu_md2.py) ----------
+
+def engine_run(model, enc, batch: int, steps: int, pipelined: bool, host_work_ms=0.0,
+               prompt_tokens: int = PROMPT_TOKENS):
+    """-> (decode tokens/s, host ms per decode step, its parts in ms)."""
+    import jax
+
+    from photon_jax.engine import Engine
+
+    # An accelerator's default pool is most of its memory; the run needs only this much.
+    tokens = None if jax.devices()[0].platform == "cpu" else \
+        batch * model.cfg.text.max_context
+    eng = Engine(model, max_batch_size=batch, pipelined=pipelined, host_work_ms=host_work_ms,
+                 prefill_tokens=batch * model.cfg.text.max_context, kv_cache_tokens=tokens)
+    try:
+        for h in eng.submit_many(requests(model, enc, batch, steps,
+                                          prompt_tokens=prompt_tokens)):
+            h.result(timeout=3600)
+    finally:
+        eng.close()
+    log = [s for s in eng.step_log() if s["kind"] == "decode"]
+    assert len(log) == steps and all(s["rows"] == batch for s in log), "unexpected schedule"
+    # From the first decode commit to the last: in the pipelined loop the first decode step
+    # is launched while the prefill still runs, which is not decode time.
+    wall = log[-1]["t_end"] - log[0]["t_end"]
+    parts = {k: 1e3 * sum(s[k] for s in log[1:]) / (steps - 1)
+             for k in ("launch_s", "finalize_s", "commit_s", "wait_s")}
+    # The host's whole share of a step: everything between two commits except the wait for
+    # the device (launch, finalize, commit, and the scheduler loop around them).
+    host = 1e3 * wall / (steps - 1) - parts.pop("wait_s")
+    return batch * (steps - 1) / wall, host, parts
+
+
+def ceiling_run(model, batch: int, steps: int, warm: bool = False,
+                prompt_tokens: int = PROMPT_TOKENS) -> float:
+    """Decode tokens/s of the ceiling: `steps` forward + sample steps in one scan."""
+    import jax
+
+    P = model.programs
+    st = device_state(model, batch, steps, prompt_tokens=prompt_tokens)
+    put = jax.device_put
+
+    def once(pool, slot, pending):
+        pool, slot, pending = P.ceiling(model.params, pool, slot, pending, st["tables"],
+                                        put(st["metas"]), put(st["pages"]), put(st["samp"]))
+        jax.block_until_ready(pending)
+        return pool, slot, pending
+
+    state = (st["pool"], st["slot"], st["pending"])
+    if not warm:
+        state = once(*state)   # compile
+    t0 = time.perf_counter()
+    once(*state)
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def component_times(model, batch: int, steps: int, reps: int = 5,
+                    prompt_tokens: int = PROMPT_TOKENS):
+    """forward and sample alone (each call synchronised), ms per step, at the run's middle
+    step; and the part of those calls spent before they returned (the dispatch, which the
+    loops count as host time)."""
+    import jax
+
+    P = model.programs
+    st = device_state(model, batch, steps, prompt_tokens=prompt_tokens)
+    i = steps // 2
+    meta_d, pages_d = jax.device_put(st["metas"][i]), jax.device_put(st["pages"][i])
+    samp_d = jax.device_put(st["samp"])
+    pool, slot, pending = st["pool"], st["slot"], st["pending"]
+
+    def timed(call, n_calls):
+        total = disp = 0.0
+        for k in range(n_calls + 2):   # two untimed calls first
+            t0 = time.perf_counter()
+            out = call()
+            t1 = time.perf_counter()
+            jax.block_until_ready(out)
+            if k >= 2:
+                total += time.perf_counter() - t0
+                disp += t1 - t0
+        return 1e3 * total / n_calls, 1e3 * disp / n_calls
+
+    def forward():
+        nonlocal pool, slot
+        pool, slot = P.forward(model.params, pool, slot, pending, meta_d, pages_d)
+        return slot
+
+    def sample():
+        nonlocal slot, pending
+        slot, pending = P.sampler(False, False)(model.params, slot, pending, st["tables"],
+                                                samp_d)
+        return pending
+
+    fwd, fwd_disp = timed(forward, reps)
+    smp, smp_disp = timed(sample, reps)
+    return fwd, smp, fwd_disp + smp_disp
+
+
+def measure(model, config: str, batch: int, steps: int, mode: str, reps: int,
+            prompt_tokens: int = PROMPT_TOKENS) -> dict:
+    import jax
+
+    pt = {"prompt_tokens": prompt_tokens}
+    enc = prefix(model)
+    # Warm-up compiles every shape the loops use (both loops run the same programs); the
+    # timed runs compile nothing.
+    engine_run(model, enc, batch, steps, False, **pt)
+    ceiling_run(model, batch, steps, warm=True, **pt)   # its first run compiles: not kept
+    # The three loops are timed side by side, `reps` times interleaved, and the median of
+    # each is reported, so slow drifts of a shared machine hit all three alike.
+    runs = {k: [] for k in ("blocking", "pipelined", "ceiling", "host_b", "host_p", "parts_b")}
+    for _ in range(reps):
+        tok_s, host, parts = engine_run(model, enc, batch, steps, False, **pt)
+        runs["blocking"].append(tok_s)
+        runs["host_b"].append(host)
+        runs["parts_b"].append(parts)
+        tok_s, host, _ = engine_run(model, enc, batch, steps, True, **pt)
+        runs["pipelined"].append(tok_s)
+        runs["host_p"].append(host)
+        runs["ceiling"].append(ceiling_run(model, batch, steps, warm=True, **pt))
+    b, p, c, hb, hp = (median(runs[k]) for k in ("blocking", "pipelined", "ceiling", "host_b",
+                                                 "host_p"))
+    pb = {k: median([x[k] for x in runs["parts_b"]]) for k in runs["parts_b"][0]}
+    fwd, smp, disp = component_times(model, batch, steps, **pt)
+    # Bytes: XLA's cost analysis of the compiled forward at the run's middle step.
+    cost = decode_cost(model.cfg, batch, start(model, prompt_tokens) + steps // 2,
+                       platform_=jax.devices()[0].platform, attention=model.attention)
+    b_ms, p_ms, c_ms = (1e3 * batch / x for x in (b, p, c))
+    # The cost model, from parts measured apart from the loop they predict: the device's
+    # step is the ceiling's (forward + sample with no host in between), split between
+    # forward and sample as the programs run alone; the host's bookkeeping is what the
+    # blocking loop spends per step outside the wait.  Blocking: the host plans and
+    # dispatches, the device runs forward while the host builds the constraint and
+    # dispatches sample (finalize), then sample, then the host commits -- serial except that
+    # overlap.  Pipelined: the host's tick hides behind the device's step, or the reverse.
+    fwd_dev = c_ms * fwd / (fwd + smp)
+    smp_dev = c_ms - fwd_dev
+    # `sync`: what a synchronised program call costs beyond its dispatch (host time, counted
+    # in the loops' bookkeeping) and its device time: handing the work to XLA's threads and
+    # waking the waiting host; from the two programs run alone against the fused ceiling.
+    # A blocking step waits for the device once.
+    sync = max(0.0, (fwd + smp - disp - c_ms) / 2)
+    overlap = min(fwd_dev, pb["finalize_s"])
+    pred_b = hb + c_ms - overlap + sync
+    # Pipelined, the sample of step t is dispatched only once the host has committed t-1
+    # and built t's constraint ("forward first, sample later" puts the sample, not the
+    # forward, behind the host), so besides max(device, host) a second chain bounds the
+    # step: wake + commit + finalize + sample.
+    # Unpinned, XLA's threads and the host share every core: the host's time comes out of
+    # the device's, one core's worth of it (the pinned mode is the accelerator's case,
+    # where the two are independent).
+    steal = hb / len(os.sched_getaffinity(0)) if mode == "default" else 0.0
+    pred_p = max(c_ms + steal, hb, sync + pb["commit_s"] + pb["finalize_s"] + smp_dev)
+    r = lambda x: round(x, 3)  # noqa: E731
+    return {
+        "kind": "loops", "config": config, "batch": batch, "mode": mode, "steps": steps,
+        "first_position": start(model, prompt_tokens),
+        "blocking_tok_s": round(b, 1), "pipelined_tok_s": round(p, 1),
+        "ceiling_tok_s": round(c, 1), "host_ms": r(hb), "host_pipelined_ms": r(hp),
+        "launch_ms": r(pb["launch_s"]), "finalize_ms": r(pb["finalize_s"]),
+        "commit_ms": r(pb["commit_s"]), "forward_ms": r(fwd), "sample_ms": r(smp),
+        "device_ms": r(c_ms), "sync_ms": r(sync),
+        "pipelined_over_blocking": r(p / b), "pipelined_over_ceiling": r(p / c),
+        "blocking_over_ceiling": r(b / c),
+        "blocking_step_ms": r(b_ms), "pipelined_step_ms": r(p_ms),
+        "predicted_blocking_ms": r(pred_b), "predicted_pipelined_ms": r(pred_p),
+        "blocking_model_err": r(pred_b / b_ms - 1), "pipelined_model_err": r(pred_p / p_ms - 1),
+        **{k: cost[k] for k in ("bytes_accessed", "floor_bytes", "over_floor",
+                                "attended_kv_bytes", "swept_kv_bytes")},
+        "reps": reps, **env_info(),
+    }
+
+
+# -- small helpers -----------------------------------------------------------------------------
+
+def median(xs):
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
+def env_info() -> dict:
+    import jax
+
+    return {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
+            "cpus": os.cpu_count(), "machine": platform.machine(),
+            "date": time.strftime("%Y-%m-%d")}
