@@ -45,7 +45,8 @@ class Model:
         self.device = resolve_device(device)
         self.attention = attention or step.default_attention(self.device.platform)
         self.programs = step.build(cfg, self.attention,
-                                   grouped=step.default_grouped(self.device.platform))
+                                   grouped=step.default_grouped(self.device.platform),
+                                   vision_loop=step.default_vision_loop(self.device.platform))
         self.prompts = Prompts(tokenizer, cfg.tokenizer)
 
     @classmethod

@@ -118,9 +118,9 @@ def input_embeddings(params, cfg: MoondreamConfig, kind, token, value):
     return jnp.where(k == KIND_COORD, coord, jnp.where(k == KIND_SIZE, size, tok))
 
 
-def _encode_image(params, crops_u8, src, ph, pw, *, cfg):
+def _encode_image(params, crops_u8, src, ph, pw, *, cfg, vision_loop=False):
     dt = jnp_dtype(cfg.dtype)
-    feats = vision.encode_crops(params["vision"], crops_u8, cfg.vision, dt)
+    feats = vision.encode_crops(params["vision"], crops_u8, cfg.vision, dt, vision_loop)
     return feats, vision.project(params["vision"], feats, src, ph, pw)
 
 
@@ -283,11 +283,11 @@ def _region_heads(params, hidden_RD, *, cfg):
             region.size_value(sbin, r.size_out_dim // 2))
 
 
-def _image_kv(params, crops_u8, src, ph, pw, *, cfg, grouped="blocks"):
+def _image_kv(params, crops_u8, src, ph, pw, *, cfg, grouped="blocks", vision_loop=False):
     """An image's prefix KV ([L, 730, K, H] each): encode, project, and prefill BOS + image
     tokens (bidirectional) in a one-row cache of exactly the prefix length."""
     n = cfg.prefix_len
-    _, emb = _encode_image(params, crops_u8, src, ph, pw, cfg=cfg)
+    _, emb = _encode_image(params, crops_u8, src, ph, pw, cfg=cfg, vision_loop=vision_loop)
     cache = text.init_cache(cfg, rows=1, length=n)
     pos = jnp.arange(n, dtype=jnp.int32)[None]
     zero, full = jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32)
@@ -357,6 +357,12 @@ def default_attention(platform: str) -> str:
     return "pallas" if platform == "gpu" else "xla"
 
 
+def default_vision_loop(platform: str) -> bool:
+    """Whether the vision encoder's attention loops over (crop, head) pairs: on CPU (half
+    the time: the scores stay in cache), not on accelerators (`vision.attention_per_crop_head`)."""
+    return platform == "cpu"
+
+
 def default_grouped(platform: str) -> str:
     """The MoE prefill schedule a backend gets: `ragged_dot` (a grouped GEMM) on GPU, the
     static-trip block loop elsewhere (XLA:CPU runs ragged_dot as a product over every
@@ -366,20 +372,22 @@ def default_grouped(platform: str) -> str:
 
 @lru_cache(maxsize=16)
 def build(cfg: MoondreamConfig, attention: str = "xla",
-          candidates: int = sampling.DEFAULT_CANDIDATES, grouped: str = "blocks") -> Programs:
+          candidates: int = sampling.DEFAULT_CANDIDATES, grouped: str = "blocks",
+          vision_loop: bool = False) -> Programs:
     """The jitted programs of one config.  Cached per (config, attention, candidates,
-    grouped) (configs are frozen and hashable), so loading the same model again -- on another
-    device, in another engine -- reuses the compiled executables instead of tracing and
-    compiling anew.  `candidates`: the top-p candidate cap (`sampling`); `grouped`: the MoE
-    prefill schedule (`moe.schedule`)."""
+    grouped, vision_loop) (configs are frozen and hashable), so loading the same model again
+    -- on another device, in another engine -- reuses the compiled executables instead of
+    tracing and compiling anew.  `candidates`: the top-p candidate cap (`sampling`);
+    `grouped`: the MoE prefill schedule (`moe.schedule`); `vision_loop`: the vision
+    attention's formulation (`default_vision_loop`)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
     c = {"cfg": cfg}
     g = {"cfg": cfg, "grouped": grouped}   # programs with a text forward (MoE schedules)
     return Programs(
         cfg=cfg,
-        encode_image=jax.jit(partial(_encode_image, **c)),
-        image_kv=jax.jit(partial(_image_kv, **g)),
+        encode_image=jax.jit(partial(_encode_image, vision_loop=vision_loop, **c)),
+        image_kv=jax.jit(partial(_image_kv, vision_loop=vision_loop, **g)),
         prefill=jax.jit(partial(_prefill, **g), static_argnums=(7,), donate_argnums=(1,)),
         decode=jax.jit(partial(_decode, **g), static_argnums=(8,), donate_argnums=(1,)),
         prefill_routes=jax.jit(partial(_prefill, with_routes=True, **g), static_argnums=(7,),

@@ -75,17 +75,20 @@ def test_prefix_cache_evicts_least_recently_used_and_never_a_pinned_entry():
 
 
 def test_decode_metadata_names_each_page_of_each_row():
+    # Arena k covers the dummy page 0 and 4 x 2^k pages: k rows of 4 pages fit exactly.
+    assert M.Arenas.geometric(100, 4).sizes == (5, 4, 8, 16, 32, 35)
+    assert M.Arenas.geometric(30, 4, growth=4).sizes == (5, 12, 13)
     arenas = M.Arenas.geometric(20, 4)
-    assert arenas.sizes == (4, 4, 8, 4) and arenas.covering(7) == 2 and arenas.covering(8) == 3
+    assert arenas.sizes == (5, 4, 8, 3) and arenas.covering(8) == 2 and arenas.covering(9) == 3
     tables = [[3, 9], [5]]
     meta, pages, n = M.pack_decode([2, 1], [70, 10], tables, 4, 3, 64, arenas)
-    assert n == 3 and pages.shape == (2, 16)
+    assert n == 3 and pages.shape == (2, 17)
     assert meta[M.M_ROW].tolist() == [2, 1, 0, 0] and meta[M.M_POS].tolist() == [70, 10, 0, 0]
     assert meta[M.M_PAGE].tolist() == [9, 5, 0, 0] and meta[M.M_OFF].tolist() == [6, 10, 0, 0]
     assert meta[M.M_TABLE:, 0].tolist() == [3, 9, 0] and meta[M.M_TABLE:, 2].tolist() == [0] * 3
     owner, count = pages
     assert (owner[3], count[3], owner[9], count[9], owner[5], count[5]) == (0, 64, 0, 7, 1, 11)
-    assert all(owner[p] == 4 and count[p] == 0 for p in range(16) if p not in (3, 9, 5))
+    assert all(owner[p] == 4 and count[p] == 0 for p in range(17) if p not in (3, 9, 5))
     pre, write, table = M.pack_prefill([1], [730], [730], [3], [list(range(1, 14))], 2, 16,
                                        768, 64)
     assert pre[:, 0].tolist() == [1, 730, 730, 2] and pre[:, 1].tolist() == [0, 0, 0, 0]
@@ -272,10 +275,12 @@ def test_cancelling_frees_pages_at_the_right_commit(model, encoded):
     try:
         long = eng.submit(Request("text", model.prompts.caption("long"), IMAGES[1],
                                   Settings(max_tokens=60), ignore_eos=True))
-        waiting = eng.submit(Request("text", model.prompts.caption("short"), IMAGES[1],
-                                     Settings(max_tokens=5)))
+        # (Submitted once `long` runs: a request whose image is still being prepared does
+        # not hold back later ones that are ready, so it could otherwise start first.)
         while not any(s["kind"] == "decode" for s in eng.step_log()):
             pass
+        waiting = eng.submit(Request("text", model.prompts.caption("short"), IMAGES[1],
+                                     Settings(max_tokens=5)))
         assert eng.memory()["pages_in_sequences"] > 0
         waiting.cancel()   # it waits for pages behind `long`: cancelled before any work
         assert waiting.result(timeout=60)["finish_reason"] == "cancelled"
