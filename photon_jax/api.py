@@ -2,28 +2,43 @@
 `encode_image`, and `segment` for Moondream 3; the same argument names, settings keys and
 return dicts).  The model kind (Moondream 2 or 3) comes from the checkpoint's config.
 
-Every call runs through the one pipelined `Engine` of this `Moondream` (docs/architecture.md).  Each
-method takes one image or a list: a list is submitted at once, runs as one continuous batch
+Every call runs through the one pipelined `Engine` of this `Moondream` (docs/architecture.md).
+Each method takes one image or a list: a list is submitted at once, runs as one continuous batch
 and returns `list[dict]` in input order (questions / objects: one shared string or a list of
 the same length).  If some items of a list fail, the call raises `BatchError` after every
 item finished; it carries the per-item results and errors.  Calls are safe from several
 threads: they only submit requests and wait for their own results.
+
+`return_metrics=True` (every method except streams) adds "metrics" to each result dict:
+{"finish_reason", "input_tokens", "output_tokens", "prefix_cache_hit",
+"time_to_first_token_s", "decode_tokens_per_s"} (`engine.Handle.metrics`).  Without it the
+result dicts are exactly Moondream's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from typing import TYPE_CHECKING, Union
 
 import jax
 from tqdm.auto import tqdm
 
-from . import compile_cache as compile_cache_mod, memory
-from .engine import Engine, Request
+from . import compile_cache as compile_cache_mod, memory, sources
+from .config import MoondreamConfig
+from .engine import Engine, Handle, Request
 from .frontend import EncodedImage
 from .model import Model
 from .settings import parse
 from .tokenizer import spatial_refs_prompt
+
+if TYPE_CHECKING:
+    import numpy as np
+    import PIL.Image
+
+# What every method accepts as an image: a path, the file's bytes, a PIL image, an HxWx3 uint8
+# array, or an EncodedImage of this model.
+ImageLike = Union[str, os.PathLike, bytes, "PIL.Image.Image", "np.ndarray", EncodedImage]
 
 NEED_IMAGE = ("image is required; pass a path, PIL image, HxWx3 uint8 array or an "
               "EncodedImage")
@@ -46,13 +61,20 @@ class Moondream:
         self._model, self._engine = model, engine
 
     @classmethod
-    def load(cls, path, *, dtype=None, pipelined: bool = True, max_batch_size: int = 32,
+    def load(cls, path, *, revision: str | None = None, dtype=None, pipelined: bool = True,
+             max_batch_size: int = 32,
              max_context: int | None = None, kv_cache_tokens: int | None = None,
              prefix_cache: bool = True, device=None, workers: int = 2,
              compile_cache: bool = True, warmup: bool = False) -> "Moondream":
-        """Load a checkpoint directory written by `photon-convert` and start its engine.
+        """Load a model and start its engine.  `path`: a directory written by
+        `photon-convert`, a Hugging Face snapshot directory (config.json + model.safetensors
+        or a sharded index), or a hub id such as "vikhyatk/moondream2" (`revision`: a branch,
+        tag or commit; needs huggingface_hub).  A snapshot is converted on first use into a
+        per-user cache and reused after (`photon_jax.sources`).
 
-        dtype: None keeps the checkpoint's dtype; "bfloat16" or "float32" casts on load.
+        dtype: None keeps the checkpoint's dtype (a snapshot's: bfloat16 weights convert to
+            bfloat16, float16/float32 ones to float32); "bfloat16" or "float32" converts or
+            casts to it.
         pipelined: False selects the blocking twin of the engine (no overlap; same results).
         max_batch_size: rows decoded together.
         max_context: the longest sequence (prompt + output) one request may reach (None =
@@ -71,8 +93,10 @@ class Moondream:
             common prefill shapes and the vision encoder for common photo layouts, so the
             first requests do not wait for the compiler (with a warm compile cache this
             mostly reads the cache).
-        Nothing is downloaded: the directory holds the weights, config and tokenizer.
+        Nothing is downloaded but a hub id's files missing from the Hugging Face cache (and
+        the starmie tokenizer, when the snapshot lacks it), unless HF_HUB_OFFLINE is set.
         """
+        path = sources.resolve(path, revision=revision, dtype=dtype)
         if compile_cache:
             compile_cache_mod.enable()
         def preflight(cfg, dev):
@@ -102,7 +126,7 @@ class Moondream:
         return cls(model, engine)
 
     @property
-    def config(self):
+    def config(self) -> "MoondreamConfig":
         return self._m.cfg
 
     @property
@@ -132,7 +156,7 @@ class Moondream:
 
     # -- skills -------------------------------------------------------------------------
 
-    def encode_image(self, image) -> EncodedImage | list[EncodedImage]:
+    def encode_image(self, image: ImageLike | list[ImageLike]) -> EncodedImage | list[EncodedImage]:
         """Encode once, query many times: the image's prefix is computed into the engine's
         KV pool and pinned there; the returned `EncodedImage` is accepted by every method of
         this Moondream in place of the image.  `release()` it (or drop it) to unpin.  Valid
@@ -142,14 +166,18 @@ class Moondream:
         out = [h.result() for h in handles]
         return out if isinstance(image, list) else out[0]
 
-    def caption(self, image, length: str = "normal", *, stream: bool = False,
-                settings: dict | None = None, progress: bool = False):
+    def caption(self, image: ImageLike | list[ImageLike], length: str = "normal", *,
+                stream: bool = False, settings: dict | None = None, progress: bool = False,
+                return_metrics: bool = False) -> dict | list[dict]:
+        """Caption an image (or a list): {"caption": str} each, or with stream=True
+        {"caption": iterator of text pieces}.  length: "short", "normal" or "long"."""
         return self._run(image, _Shared([None]), stream, progress,
                          self._caption_maker(length, settings),
-                         lambda r: {"caption": r["text"]}, key="caption")
+                         lambda r: {"caption": r["text"]}, key="caption",
+                         return_metrics=return_metrics)
 
-    def start(self, image, *, question: str | None = None, length: str = "normal",
-              settings: dict | None = None):
+    def start(self, image: ImageLike, *, question: str | None = None, length: str = "normal",
+              settings: dict | None = None) -> Handle:
         """Submit one caption (or, with `question`, one query) and return its engine
         `Handle` at once: `result()` gives {"text", "finish_reason", "output_tokens", ...},
         `cancel()` stops it, `add_done_callback(fn)` reports completion.  For callers that
@@ -163,10 +191,13 @@ class Moondream:
             raise ValueError(NEED_IMAGE)
         return self.engine.submit(make(image, question))
 
-    def query(self, image=None, question: str | list | None = None, *, reasoning: bool = False,
+    def query(self, image: ImageLike | list[ImageLike] | None = None,
+              question: str | list[str] | None = None, *, reasoning: bool = False,
               spatial_refs: list | None = None, stream: bool = False,
-              settings: dict | None = None, progress: bool = False):
-        """Answer a question about an image (or, with image=None, a text-only question).
+              settings: dict | None = None, progress: bool = False,
+              return_metrics: bool = False) -> dict | list[dict]:
+        """Answer a question about an image (or, with image=None, a text-only question):
+        {"answer": str} (stream=True: {"answer": iterator of text pieces}).
 
         reasoning: Moondream 2's grounded reasoning first; the result gains
         "reasoning": {"text", "grounding": [{"start_idx", "end_idx", "points"}]}.
@@ -180,18 +211,26 @@ class Moondream:
 
         return self._run(image, questions, stream, progress,
                          self._query_maker(parse(settings), reasoning, spatial_refs), shape,
-                         key="answer", optional_image=True)
+                         key="answer", optional_image=True, return_metrics=return_metrics)
 
-    def detect(self, image, object: str | list, *, settings: dict | None = None,
-               progress: bool = False):
-        return self._locate("detect", "objects", image, object, settings, progress)
+    def detect(self, image: ImageLike | list[ImageLike], object: str | list[str], *,
+               settings: dict | None = None, progress: bool = False,
+               return_metrics: bool = False) -> dict | list[dict]:
+        """Boxes of `object`: {"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}
+        (normalised to the image, not clamped); always greedy, up to max_objects."""
+        return self._locate("detect", "objects", image, object, settings, progress,
+                            return_metrics)
 
-    def point(self, image, object: str | list, *, settings: dict | None = None,
-              progress: bool = False):
-        return self._locate("point", "points", image, object, settings, progress)
+    def point(self, image: ImageLike | list[ImageLike], object: str | list[str], *,
+              settings: dict | None = None, progress: bool = False,
+              return_metrics: bool = False) -> dict | list[dict]:
+        """Centre points of `object`: {"points": [{"x", "y"}, ...]} (normalised)."""
+        return self._locate("point", "points", image, object, settings, progress,
+                            return_metrics)
 
-    def segment(self, image, object: str | list, *, spatial_refs: list | None = None,
-                settings: dict | None = None, progress: bool = False):
+    def segment(self, image: ImageLike | list[ImageLike], object: str | list[str], *,
+                spatial_refs: list | None = None, settings: dict | None = None,
+                progress: bool = False, return_metrics: bool = False) -> dict | list[dict]:
         """Moondream 3 only: {"path": SVG path text, "bbox": {x_min, y_min, x_max, y_max} or
         None}.  The box comes from the first coordinate pair and size the model emits, the
         path from the text tokens after it (kestrel's separate refiner network is not run)."""
@@ -207,7 +246,8 @@ class Moondream:
         return self._run(image, objs, False, progress,
                          lambda img, o: Request("segment", m.prompts.segment(o, spatial=spatial),
                                                 img, s, region=region),
-                         lambda r: {"path": r["path"], "bbox": r["bbox"]})
+                         lambda r: {"path": r["path"], "bbox": r["bbox"]},
+                         return_metrics=return_metrics)
 
     # -- plumbing -----------------------------------------------------------------------
 
@@ -235,18 +275,31 @@ class Moondream:
 
         return request
 
-    def _locate(self, skill: str, key: str, image, obj, settings, progress):
+    def _locate(self, skill: str, key: str, image, obj, settings, progress, return_metrics):
         """detect / point: the same request shape, differing in prompt and result key."""
         s = parse(settings)
         objs = _check_strings(obj, "object")
         prompt = getattr(self._m.prompts, skill)
         return self._run(image, objs, False, progress,
                          lambda img, o: Request(skill, prompt(o), img, s),
-                         lambda r: {key: r["objects"]})
+                         lambda r: {key: r["objects"]}, return_metrics=return_metrics)
 
     def _run(self, image, args, stream, progress, make, shape, key=None,
-             optional_image=False):
+             optional_image=False, return_metrics=False):
         engine = self.engine
+        if return_metrics:
+            if stream:
+                raise ValueError("return_metrics needs stream=False (a stream's handle has "
+                                 "no result yet when it is returned)")
+            plain = shape
+
+            def shape(h):
+                return {**plain(h.result()), "metrics": h.metrics()}
+        else:
+            plain = shape
+
+            def shape(h):
+                return plain(h.result())
         batch = isinstance(image, list) or not isinstance(args, _Shared)
         if not batch:
             if image is None and not optional_image:
@@ -257,7 +310,7 @@ class Moondream:
                     reasoning = h.reasoning() if h.request.reasoning else None
                     out = {key: h.text_stream()}
                     return out if reasoning is None else {"reasoning": reasoning, **out}
-                return shape(h.result())
+                return shape(h)
         if stream:
             raise ValueError("stream=True works on one image at a time; for a list, call "
                              "without stream (results come back in input order)")
@@ -276,7 +329,7 @@ class Moondream:
                 _progress(handles)
             for h in handles:
                 try:
-                    results.append(shape(h.result()))
+                    results.append(shape(h))
                     errors.append(None)
                 except Exception as e:  # noqa: BLE001 - reported per item below
                     results.append(None)

@@ -269,6 +269,19 @@ def parse_devices(spec: str):
     return [devs[i] for i in idx]
 
 
+def resolve_model(args, log) -> str:
+    """--model (and --revision) -> a photon_jax checkpoint directory (`sources.resolve`: a
+    Hugging Face snapshot or hub id is converted into the cache on first use).  A bad source
+    is a UsageError with a one-line reason."""
+    from . import sources
+
+    try:
+        return sources.resolve(args.model, revision=getattr(args, "revision", None),
+                               dtype=args.dtype, log=log)
+    except (*sources.errors(), OSError) as e:
+        raise UsageError(f"--model {args.model}: {sources.one_line(e)}") from None
+
+
 @dataclasses.dataclass
 class Summary:
     """What a run did: the numbers of its last log line, for scripts and benchmarks.
@@ -426,6 +439,7 @@ def run(args) -> Summary:
     from .api import Moondream
     from .engine import EngineError
 
+    model_dir = resolve_model(args, log)
     devices = parse_devices(args.devices)
     t_load, load_s = time.perf_counter(), 0.0
     models = []
@@ -433,7 +447,7 @@ def run(args) -> Summary:
     r = Run(args, todo, sidecars, jsonl)
     try:
         for d in devices:
-            models.append(Moondream.load(args.model, dtype=args.dtype, device=d,
+            models.append(Moondream.load(model_dir, dtype=args.dtype, device=d,
                                          max_batch_size=args.batch_size,
                                          max_context=args.max_context,
                                          kv_cache_tokens=args.kv_cache_tokens,
@@ -485,17 +499,23 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="photon-caption",
         description="Caption (or ask one question about) every image of a dataset with a "
-                    "Moondream checkpoint converted by photon-convert.  Re-running skips "
+                    "Moondream model (a photon-convert directory, a Hugging Face snapshot or "
+                    "a hub id).  Re-running skips "
                     "images already done, so an interrupted run is finished by running it "
                     "again.  Exit code: 0 all done, 1 some images failed (or a device error "
-                    "stopped the run), 2 bad arguments, "
+                    "stopped the run), 2 bad arguments or model, "
                     "130 interrupted.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("inputs", nargs="+", metavar="INPUT",
                     help="directories, globs (quoted; ** recurses), image files, or list "
                          "files (.txt/.lst/.list: one path per line, relative to the list)")
-    ap.add_argument("--model", required=True, metavar="CKPT_DIR",
-                    help="checkpoint directory written by photon-convert")
+    ap.add_argument("--model", required=True, metavar="MODEL",
+                    help="a checkpoint directory written by photon-convert, a Hugging Face "
+                         "snapshot directory, or a hub id such as vikhyatk/moondream2 (a "
+                         "snapshot is converted once into $PHOTON_JAX_CACHE, default "
+                         "~/.cache/photon_jax/checkpoints)")
+    ap.add_argument("--revision", default=None,
+                    help="with a hub id: the branch, tag or commit, e.g. 2025-06-21")
     ap.add_argument("--recursive", "-r", action="store_true",
                     help="descend into subdirectories of directory inputs")
     mode = ap.add_mutually_exclusive_group()

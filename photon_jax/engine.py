@@ -97,9 +97,35 @@ class Handle:
         self.cancel_requested = False
         self._callbacks: list = []
         self._cb_lock = threading.Lock()
+        # Filled by the scheduler for `metrics()`: submit / first-token / end times, prompt
+        # positions, tokens committed, whether the image prefix came from the cache.
+        self._t_submit = time.perf_counter()
+        self._t_first = self._t_end = None
+        self._input_tokens = self._output_tokens = 0
+        self._prefix_hit: bool | None = None
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def metrics(self) -> dict:
+        """How the request ended and what it cost, once it finished: {"finish_reason"
+        ("stop", "length", "repeat", "max_objects", "cancelled", "error"), "input_tokens"
+        (prompt positions, the image prefix included), "output_tokens" (as in the result),
+        "prefix_cache_hit" (True / False; None without an image or with the cache off),
+        "time_to_first_token_s", "decode_tokens_per_s" (after the first token; None below
+        two tokens)}."""
+        if not self._done.is_set():
+            raise RuntimeError("metrics() is available once the request finished")
+        res = self._result if isinstance(self._result, dict) else {}
+        n = res.get("output_tokens", self._output_tokens)   # the skill's count, as in results
+        ttft = None if self._t_first is None else self._t_first - self._t_submit
+        rate = None
+        if self._t_first is not None and self._output_tokens > 1 and self._t_end > self._t_first:
+            rate = (self._output_tokens - 1) / (self._t_end - self._t_first)
+        reason = "error" if self._error is not None else res.get("finish_reason")
+        return {"finish_reason": reason, "input_tokens": self._input_tokens,
+                "output_tokens": n, "prefix_cache_hit": self._prefix_hit,
+                "time_to_first_token_s": ttft, "decode_tokens_per_s": rate}
 
     def result(self, timeout: float | None = None):
         if not self._done.wait(timeout):
@@ -163,6 +189,7 @@ class Handle:
         if self._done.is_set():
             return
         self._result, self._error = result, error
+        self._t_end = time.perf_counter()
         if self._reasoning is None and isinstance(result, dict):
             self._reasoning = result.get("reasoning")
         self._reasoned.set()
@@ -798,6 +825,9 @@ class Engine:
         with hostsync.sync_free():
             for s in batch:
                 src, img = s.source, s.image
+                s.handle._input_tokens = s.prompt_end
+                if src is not None:
+                    s.handle._prefix_hit = src[0] == "hit"
                 if src is not None and src[0] == "hit":
                     self.cache.count_hit()
                     dst = s.pages[:self.prefix_pages]
@@ -920,6 +950,10 @@ class Engine:
                 if s.inflight_refs == 0:
                     self._release(s)
                 continue
+            h = s.handle
+            h._output_tokens += 1
+            if h._t_first is None:
+                h._t_first = t1
             try:
                 reason = s.skill.consume(int(host[i, 0]), values[i])
             except Exception as e:  # e.g. a tokenizer failure: this request alone fails

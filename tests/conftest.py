@@ -18,6 +18,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Snapshots converted on load go to a session folder, never the user's own cache.
+if "PHOTON_JAX_CACHE" not in os.environ:
+    _CKPT_CACHE = tempfile.mkdtemp(prefix="photon-test-ckpt-")
+    atexit.register(shutil.rmtree, _CKPT_CACHE, ignore_errors=True)
+    os.environ["PHOTON_JAX_CACHE"] = _CKPT_CACHE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE_DIR = os.path.join(HERE, "fixtures", "moondream2-tiny")

@@ -383,12 +383,46 @@ def test_all_devices_give_the_same_captions(tiny_ckpt, tmp_path, expect):
         assert r["caption"] == expect(r["path"])
 
 
+class _Deprecations(list):
+    """The deprecations reported while the block runs: DeprecationWarning (Ray's
+    RayDeprecationWarning is one) and Ray's deprecation log lines (Ray Data logs some, e.g.
+    for `map_batches(concurrency=)`, instead of warning)."""
+
+    def __enter__(self):
+        import logging
+        import warnings
+
+        found = self
+
+        class Catch(logging.Handler):
+            def emit(self, record):
+                if "deprecat" in record.getMessage().lower():
+                    found.append(record.getMessage())
+
+        self._handler = Catch(logging.WARNING)
+        self._loggers = [logging.getLogger("ray"), logging.getLogger("ray.data")]
+        for lg in self._loggers:
+            lg.addHandler(self._handler)
+        self._warnings = warnings.catch_warnings(record=True)
+        self._caught = self._warnings.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._warnings.__exit__(*exc)
+        for lg in self._loggers:
+            lg.removeHandler(self._handler)
+        self.extend(f"{w.category.__name__}: {w.message}" for w in self._caught
+                    if issubclass(w.category, DeprecationWarning))
+        return False
+
+
 def test_ray_data_integration_matches_the_cli(tiny_ckpt, tmp_path):
     ray = pytest.importorskip("ray")
     from photon_jax.integrations.ray import caption_dataset
 
     d = tmp_path / "data"
-    paths = make_tree(d, n=3, seed=90)
+    paths = make_tree(d, n=4, seed=90)
     (d / "broken.png").write_bytes(b"\x89PNG broken")
     paths.append(str(d / "broken.png"))
     jl = tmp_path / "o.jsonl"
@@ -399,10 +433,15 @@ def test_ray_data_integration_matches_the_cli(tiny_ckpt, tmp_path):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
+        # 6 rows in batches of 2: the actor works on two batches at once, so batches
+        # overlap on its engine; every row must still come out once, with its own result.
         ds = ray.data.from_items([{"image": open(p, "rb").read(), "path": p} for p in paths])
-        out = caption_dataset(ds, tiny_ckpt, batch_size=4, settings=SETTINGS).take_all()
+        with _Deprecations() as deprecations:
+            ds = caption_dataset(ds, tiny_ckpt, batch_size=2, settings=SETTINGS)
+        out = ds.take_all()
     finally:
         ray.shutdown()
+    assert deprecations == [], "Ray deprecates an argument caption_dataset passes"
     assert sorted(r["path"] for r in out) == sorted(paths)
     for r in out:
         assert "image" not in r
@@ -413,25 +452,36 @@ def test_ray_data_integration_matches_the_cli(tiny_ckpt, tmp_path):
 
 
 def test_captioner_accepts_paths_structs_arrays_and_nulls(tiny_ckpt, tmp_path, expect):
-    """The Ray callable on its own (no cluster): every image-cell form Ray Data produces."""
+    """The Ray callable on its own (no cluster): every image-cell form Ray Data produces,
+    and two calls at once on one Captioner (as Ray runs them: batches_in_flight)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from photon_jax.integrations.ray import Captioner
 
     p = str(tmp_path / "a.png")
     Image.fromarray(noise(95)).save(p)
+    q = str(tmp_path / "b.png")
+    Image.fromarray(noise(96)).save(q)
     cells = [p, {"bytes": open(p, "rb").read(), "path": None}, {"bytes": None, "path": p},
              noise(95), None]
-    cap = Captioner(tiny_ckpt, settings=SETTINGS, batch_size=2, prepend="<", append=">",
-                    keep_image=True)
-    try:
-        column = np.empty(len(cells), dtype=object)   # one object per cell, as Ray gives
-        column[:] = cells
-        out = cap({"image": column, "id": np.arange(len(cells))})
-    finally:
-        cap.close()
+    with _Deprecations() as deprecations:
+        cap = Captioner(tiny_ckpt, settings=SETTINGS, batch_size=2, prepend="<", append=">",
+                        keep_image=True)
+        try:
+            column = np.empty(len(cells), dtype=object)   # one object per cell, as Ray gives
+            column[:] = cells
+            batches = [{"image": column, "id": np.arange(len(cells))},
+                       {"image": np.array([q, p, q]), "id": np.arange(3)}]
+            with ThreadPoolExecutor(2) as pool:
+                out, other = pool.map(cap, batches)
+        finally:
+            cap.close()
+    assert deprecations == []
     assert out["id"].tolist() == list(range(len(cells))) and len(out["image"]) == len(cells)
     want = "<" + expect(p) + ">"
     assert out["caption"].tolist() == [want] * 4 + [None]
     assert out["error"][:4].tolist() == [None] * 4 and "empty" in out["error"][4]
+    assert other["caption"].tolist() == ["<" + expect(q) + ">", want, "<" + expect(q) + ">"]
     with pytest.raises(KeyError, match="image_column"):
         Captioner.__call__(cap, {"img": np.array([p])})
 
