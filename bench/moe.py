@@ -11,12 +11,19 @@ step: 1, 8, 32) and a prefill one (746 = image prefix + a 16-token prompt), for:
            on CPU a masked product over every expert)
   chosen   what `moe.moe_mlp` runs for that token count on CPU (`moe.schedule`)
 
+Then, compiled only (abstract shapes, nothing allocated: XLA's cost analysis needs no
+values), one layer at the full Moondream 3 shapes (width 2048, 64 experts, top-8, expert
+width 1024) in float32 (what a CPU computes in) and bfloat16 (the checkpoint's dtype), for
+the decode schedules at 1, 8 and 32 tokens: "kind": "moe_full", with ms null and the
+selected weights taken at the expected number of distinct experts under uniform routing,
+E (1 - (1 - k/E)^N).
+
 Keys: ms (median of --reps jitted calls after a warm-up), bytes_accessed (XLA's cost analysis
 of the compiled call; the block loop is compiled unrolled for it, since the analysis counts a
 loop body once), selected_weight_bytes (the weights of the distinct experts this input
 selects, plus the router), bytes_over_selected, max_abs_diff (against dense).
 
-    python bench/moe.py [--reps 7] [--tokens 1 8 32 746]
+    python bench/moe.py [--reps 7] [--tokens 1 8 32 746] [--no-full]
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 746])
+    ap.add_argument("--no-full", action="store_true",
+                    help="skip the full-shape (compile-only) rows")
     args = ap.parse_args(argv)
     from functools import partial
 
@@ -82,7 +91,45 @@ def main(argv=None) -> int:
                 "selected_weight_bytes": int(selected),
                 "bytes_over_selected": round(ca["bytes accessed"] / selected, 3),
                 "max_abs_diff": float(np.abs(out - ref).max()), **env_info()}), flush=True)
+    if not args.no_full:
+        full_rows(moe)
     return 0
+
+
+def full_rows(moe) -> None:
+    """Bytes accessed per layer at the full Moondream 3 shapes, compiled from abstract shapes."""
+    from functools import partial
+
+    import jax
+
+    from photon_jax import config
+    from photon_jax.params import init_params
+    from photon_jax.text import unstack_layers
+
+    for dtype in ("float32", "bfloat16"):
+        cfg = config.moondream3(dtype)
+        k, e = cfg.text.moe.experts_per_token, cfg.text.moe.num_experts
+        shapes = jax.eval_shape(lambda: unstack_layers(init_params(jax.random.PRNGKey(0), cfg)))
+        p = shapes["text"]["moe_blocks"][0]["moe"]
+        size = p["fc1"].dtype.itemsize
+        expert_bytes = (p["fc1"].shape[1] * p["fc1"].shape[2]
+                        + p["fc2"].shape[1] * p["fc2"].shape[2]) * size
+        router_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(p["router"]))
+        for n in (1, 8, 32):
+            x = jax.ShapeDtypeStruct((n, cfg.text.dim), p["fc1"].dtype)
+            distinct = e * (1 - (1 - k / e) ** n)
+            selected = distinct * expert_bytes + router_bytes
+            for name in ("dense", "gather", "chosen"):
+                how = moe.schedule(n, e, k, "blocks") if name == "chosen" else name
+                fn = jax.jit(partial(moe.moe_mlp, k=k, schedule_=how))
+                ca = fn.lower(p, x).compile().cost_analysis()
+                b = (ca[0] if isinstance(ca, list) else ca)["bytes accessed"]
+                print(json.dumps({
+                    "kind": "moe_full", "dtype": dtype, "schedule": name, "runs": how,
+                    "tokens": n, "experts": e, "top_k": k,
+                    "expected_distinct_experts": round(distinct, 2), "ms": None,
+                    "bytes_accessed": int(b), "selected_weight_bytes": int(selected),
+                    "bytes_over_selected": round(b / selected, 3), **env_info()}), flush=True)
 
 
 if __name__ == "__main__":

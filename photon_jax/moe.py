@@ -17,9 +17,11 @@ Schedules, chosen from static shapes (`schedule`):
   `dense`: all E experts for every token, then the top-k mix -- when the step selects most
   experts (expected distinct selected experts d = E (1 - (1 - k/E)^N), 3d >= E).  `gather`:
   the distinct selected experts (a static U = min(E, N k) slots; `jnp.unique` pads the
-  sorted list past the last id when fewer are distinct) are gathered and applied to every token -- when few are
-  selected: reading U experts (and writing and reading their gathered copy) costs less than
-  reading all E.
+  sorted list past the last id when fewer are distinct) are gathered and applied to every
+  token -- when few are selected: reading U experts (and writing and reading their gathered
+  copy) costs less than reading all E.  Both are one product batched over experts.  On CPU
+  the `blocks` loop below is faster at 8-32 tokens, but it reads an expert once per block,
+  so decode does not use it (bench/README.md, `bench/moe.py`).
 - prefill: `ragged` (`jax.lax.ragged_dot`, a grouped matmul over the assignments sorted by
   expert: XLA:GPU's grouped GEMM) on GPU; on CPU, where ragged_dot is a masked product over
   every expert, `blocks`: the assignments sorted by expert in blocks of `block` rows of one
@@ -86,16 +88,27 @@ def schedule(n_tokens: int, n_experts: int, k: int, grouped: str = "blocks") -> 
 
 
 def _experts(x_ND, fc1_EDF, fc2_EFD):
-    """[N, E, D]: every given expert applied to every token."""
+    """[E, N, D]: every given expert applied to every token.
+
+    Written as a product batched over experts ([E, N, D] x [E, D, F]), the layout a batched
+    matmul reads as it lies: contracting x [N, D] with the stack's middle axis directly makes
+    XLA transpose (copy) the whole [E, D, F] weight stack first, which read and wrote the
+    weights twice more than the product itself (2.3x the layer's weights at 1 token)."""
     prec = matmul_precision(x_ND.dtype)
-    h = jnp.einsum("nd,edf->nef", x_ND, fc1_EDF, precision=prec,
+    x_END = jnp.broadcast_to(x_ND[None], (fc1_EDF.shape[0],) + x_ND.shape)
+    h = jnp.einsum("end,edf->enf", x_END, fc1_EDF, precision=prec,
                    preferred_element_type=F32).astype(x_ND.dtype)
-    return jnp.einsum("nef,efd->ned", _activation(h, fc2_EFD.shape[1]), fc2_EFD,
+    return jnp.einsum("enf,efd->end", _activation(h, fc2_EFD.shape[1]), fc2_EFD,
                       precision=prec, preferred_element_type=F32).astype(x_ND.dtype)
 
 
+def _pick(y_END, slot_NK):
+    """[N, K, D]: row n's output of slot slot_NK[n, k] (reads only the picked rows)."""
+    return y_END[slot_NK, jnp.arange(slot_NK.shape[0])[:, None]]
+
+
 def _dense(p, x_ND, ids_NK):
-    return jnp.take_along_axis(_experts(x_ND, p["fc1"], p["fc2"]), ids_NK[..., None], axis=1)
+    return _pick(_experts(x_ND, p["fc1"], p["fc2"]), ids_NK)
 
 
 def _gather(p, x_ND, ids_NK):
@@ -106,8 +119,8 @@ def _gather(p, x_ND, ids_NK):
     # the real entries; the padding slots compute expert E-1 again and are never picked.
     uniq = jnp.unique(ids_NK.reshape(-1), size=u, fill_value=e)
     safe = jnp.minimum(uniq, e - 1)
-    y = _experts(x_ND, p["fc1"][safe], p["fc2"][safe])
-    return jnp.take_along_axis(y, jnp.searchsorted(uniq, ids_NK)[..., None], axis=1)
+    return _pick(_experts(x_ND, p["fc1"][safe], p["fc2"][safe]),
+                 jnp.searchsorted(uniq, ids_NK))
 
 
 def _sorted_assignments(ids_NK, e: int, block: int):
