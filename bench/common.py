@@ -209,7 +209,7 @@ def device_state(model, batch: int, steps: int, page_size: int = 64,
     import jax
     import numpy as np
 
-    from photon_jax import kvpool, skills, step as step_mod
+    from photon_jax import constraints, kvpool, step as step_mod
 
     cfg = model.cfg
     plan = memory_plan(model, batch, page_size)
@@ -218,10 +218,11 @@ def device_state(model, batch: int, steps: int, page_size: int = 64,
     pool = kvpool.init_pool(cfg.text, plan.arenas.sizes[:n_arenas], page_size, cfg.dtype)
     slot = step_mod.init_slot(cfg, batch)
     pending = step_mod.init_pending(batch + 1)
-    tables = step_mod.Tables(**jax.device_put(step_mod.make_tables(cfg)))
+    tables = step_mod.Tables(**jax.device_put(
+        constraints.tables(cfg.tokenizer, cfg.text.vocab_size)))
     samp = np.zeros((step_mod.S_ALLOW + 1, batch), np.int32)
     samp[step_mod.S_ROW] = np.arange(1, batch + 1)
-    samp[step_mod.S_CONSTRAINT] = skills.BAN_ANSWER
+    samp[step_mod.S_CONSTRAINT] = constraints.BAN_ANSWER
     samp[step_mod.S_INDEX] = 1
     samp[step_mod.S_TOP_P] = np.ones(batch, np.float32).view(np.int32)
     samp[step_mod.S_ALLOW] = -1

@@ -11,7 +11,7 @@ threads: they only submit requests and wait for their own results.
 
 `return_metrics=True` (every method except streams) adds "metrics" to each result dict:
 {"finish_reason", "input_tokens", "output_tokens", "prefix_cache_hit",
-"time_to_first_token_s", "decode_tokens_per_s"} (`engine.Handle.metrics`).  Without it the
+"time_to_first_token_s", "decode_tokens_per_s"} (`request.Handle.metrics`).  Without it the
 result dicts are exactly Moondream's.
 """
 
@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 
 from . import compile_cache as compile_cache_mod, memory, sources
 from .config import MoondreamConfig
-from .engine import Engine, Handle, Request
+from .engine import Engine
+from .request import Handle, Request
 from .frontend import EncodedImage
 from .model import Model
 from .settings import parse

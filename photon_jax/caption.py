@@ -437,7 +437,7 @@ def run(args) -> Summary:
         return Summary(skipped=skipped)
 
     from .api import Moondream
-    from .engine import EngineError
+    from .request import EngineError
 
     model_dir = resolve_model(args, log)
     devices = parse_devices(args.devices)

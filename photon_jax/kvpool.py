@@ -170,7 +170,7 @@ def write_pages(arenas: tuple, page_N, blocks_KNTH) -> tuple:
 
 # -- attention ------------------------------------------------------------------------------
 
-def prefill_attend(arenas_k: tuple, arenas_v: tuple, q_RTNH, pt_RM, mask_RTS):
+def prefill_attend(arenas_k: tuple, arenas_v: tuple, q_RTQH, pt_RM, mask_RTS):
     """Prompt queries against their rows' pages (gathered contiguous), masked by positions."""
     r, m = pt_RM.shape
     kv_len = m * arenas_k[0].shape[2]
@@ -180,7 +180,7 @@ def prefill_attend(arenas_k: tuple, arenas_v: tuple, q_RTNH, pt_RM, mask_RTS):
         return g.transpose(1, 2, 3, 0, 4).reshape(r, kv_len, g.shape[0], g.shape[-1])
 
     k, v = view(arenas_k), view(arenas_v)
-    return attention(q_RTNH, k.astype(q_RTNH.dtype), v.astype(q_RTNH.dtype), mask_RTS)
+    return attention(q_RTQH, k.astype(q_RTQH.dtype), v.astype(q_RTQH.dtype), mask_RTS)
 
 
 def page_partials(q_RKGH, k_KPTH, v_KPTH, owner_P, count_P):
@@ -216,19 +216,19 @@ def combine_partials(m_KPG, l_KPG, o_KPGH, pt_RM):
     return out.transpose(1, 0, 2, 3)                      # [R, K, G, H]
 
 
-def decode_attend(arenas_k: tuple, arenas_v: tuple, q_RNH, owner_P, count_P, pt_RM):
+def decode_attend(arenas_k: tuple, arenas_v: tuple, q_RQH, owner_P, count_P, pt_RM):
     """One query per row against its pages, every swept page read once in place.
     owner_P / count_P cover the pages of the given arenas in global order."""
-    r, n, h = q_RNH.shape
+    r, n, h = q_RQH.shape
     kh = arenas_k[0].shape[0]
-    q = q_RNH.reshape(r, kh, n // kh, h).astype(F32)
+    q = q_RQH.reshape(r, kh, n // kh, h).astype(F32)
     parts = [page_partials(q, kt, vt, owner_P[st:st + size], count_P[st:st + size])
              for kt, vt, (st, size) in zip(arenas_k, arenas_v, _spans(arenas_k))]
     m, l, o = (jnp.concatenate(x, axis=1) for x in zip(*parts))
-    return combine_partials(m, l, o, pt_RM).reshape(r, n * h).astype(q_RNH.dtype)
+    return combine_partials(m, l, o, pt_RM).reshape(r, n * h).astype(q_RQH.dtype)
 
 
-def kernel_attend(arenas_k: tuple, arenas_v: tuple, q_RNH, pt_RM, length_R, *,
+def kernel_attend(arenas_k: tuple, arenas_v: tuple, q_RQH, pt_RM, length_R, *,
                   interpret: bool = False):
     """The same attention by JAX's Pallas GPU paged-attention kernel, which walks each row's
     page table up to its length (one arena: global page ids are its indices)."""
@@ -238,11 +238,11 @@ def kernel_attend(arenas_k: tuple, arenas_v: tuple, q_RNH, pt_RM, length_R, *,
         raise ValueError("the paged-attention kernel reads a single-arena pool")
     m = pt_RM.shape[1]
     k_splits = _largest_divisor(m, 16)
-    q = (q_RNH.astype(F32) * (q_RNH.shape[-1] ** -0.5)).astype(arenas_k[0].dtype)
+    q = (q_RQH.astype(F32) * (q_RQH.shape[-1] ** -0.5)).astype(arenas_k[0].dtype)
     out = paged_attention(q, arenas_k[0], arenas_v[0], pt_RM, length_R, k_splits=k_splits,
                           pages_per_compute_block=_largest_divisor(m // k_splits, 8),
                           interpret=interpret)
-    return out.reshape(q_RNH.shape[0], -1).astype(q_RNH.dtype)
+    return out.reshape(q_RQH.shape[0], -1).astype(q_RQH.dtype)
 
 
 def _largest_divisor(n: int, cap: int) -> int:

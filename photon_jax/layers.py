@@ -39,22 +39,22 @@ def mlp(x, p):
     return linear(gelu_tanh(linear(x, p["fc1"])), p["fc2"])
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS=None):
+def attention(q_RTQH, k_RSKH, v_RSKH, mask_RTS=None):
     """Scaled dot-product attention with grouped KV heads.
 
     KV head k serves the contiguous query heads [k*G, (k+1)*G), as the reference's
     `enable_gqa` does.  Scores and softmax in float32.
     """
-    b, t, n, h = q_BTNH.shape
-    kh = k_BSKH.shape[2]
+    b, t, n, h = q_RTQH.shape
+    kh = k_RSKH.shape[2]
     g = n // kh
-    q = q_BTNH.reshape(b, t, kh, g, h)
-    prec = matmul_precision(q_BTNH.dtype)
-    s = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH, precision=prec,
+    q = q_RTQH.reshape(b, t, kh, g, h)
+    prec = matmul_precision(q_RTQH.dtype)
+    s = jnp.einsum("btkgh,bskh->bkgts", q, k_RSKH, precision=prec,
                    preferred_element_type=F32) * (h ** -0.5)
-    if mask_BTS is not None:
-        s = jnp.where(mask_BTS[:, None, None, :, :], s, -jnp.inf)
+    if mask_RTS is not None:
+        s = jnp.where(mask_RTS[:, None, None, :, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v_BSKH.dtype), v_BSKH, precision=prec,
+    o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v_RSKH.dtype), v_RSKH, precision=prec,
                    preferred_element_type=F32)
-    return o.reshape(b, t, n * h).astype(q_BTNH.dtype)
+    return o.reshape(b, t, n * h).astype(q_RTQH.dtype)

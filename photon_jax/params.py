@@ -32,7 +32,7 @@ def param_shapes(cfg: MoondreamConfig) -> dict:
     """Nested dict of shape tuples, one per parameter."""
     v, t, r = cfg.vision, cfg.text, cfg.region
     L, E = (v.enc_n_layers,), v.enc_dim
-    TL, D = (t.n_layers,), t.dim
+    D = t.dim
     return {
         "vision": {
             "patch_emb": _lin(v.patch_dim, E),

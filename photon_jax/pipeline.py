@@ -26,9 +26,7 @@ class PipelineError(RuntimeError):
 
 
 class PipelineState:
-    def __init__(self, n_slots: int = N_SLOTS):
-        if n_slots != N_SLOTS:
-            raise PipelineError(f"exactly {N_SLOTS} slots are supported, got {n_slots}")
+    def __init__(self):
         self.launch: Any = None          # the step whose forward is in flight, unsampled
         self.queue: deque = deque()      # sampled steps awaiting commit, oldest at the left
         self.committing: Any = None      # the step being committed right now
@@ -95,9 +93,3 @@ class PipelineState:
         if self.committing is None:
             raise PipelineError("no commit in progress")
         self.committing = None
-
-    def drain_all(self) -> list:
-        """Remove every sampled step, oldest first (the caller commits or abandons them)."""
-        out = list(self.queue)
-        self.queue.clear()
-        return out

@@ -20,7 +20,8 @@ import numpy as np
 from .frontend import ImagePrefix, encode_prepared, prepare_image
 from .model import Model
 from .settings import Settings
-from .skills import parse_segment, reasoning_result
+from . import constraints
+from .skills import box, parse_segment, reasoning_result
 from .meta import KIND_COORD, KIND_SIZE, KIND_TOKEN
 from .step import kv_bucket, prompt_bucket
 from .streaming import TextStreamer
@@ -161,7 +162,7 @@ def _reason(model: Model, sess: _Session, h, lg, s: Settings, sample: _Sampler):
         else:
             h, lg = sess.decode(KIND_TOKEN, nxt)
         i += 1
-        nxt = sample(lg, [tok.eos_id, tok.size_id], i)
+        nxt = sample(lg, constraints.banned(constraints.REASON, tok), i)
     if finish is None:
         # The answer id ends the reasoning (sampled, or in place of the token past
         # max_tokens) and is fed like a one-token prompt.
@@ -212,7 +213,8 @@ def iter_text(model: Model, enc: ImagePrefix | None, prompt: list[int], s: Setti
             break
         h, lg = sess.decode(KIND_TOKEN, nxt)
         steps.append(h[0])
-        nxt = sample(lg, [tok_cfg.answer_id], index0 + len(ids))
+        nxt = sample(lg, constraints.banned(constraints.BAN_ANSWER, tok_cfg),
+                     index0 + len(ids))
     tail = streamer.flush()
     if tail:
         pieces.append(tail)
@@ -271,9 +273,7 @@ def generate_points(model: Model, enc: ImagePrefix, prompt: list[int], *, with_s
             _, _, sb, (w, hh) = heads(h)
             h, lg = sess.decode(KIND_SIZE, value=(float(w), float(hh)))
             steps.append(h[0])
-            w, hh = float(w), float(hh)
-            objects.append({"x_min": x - w / 2, "y_min": y - hh / 2,
-                            "x_max": x + w / 2, "y_max": y + hh / 2})
+            objects.append(box(x, y, float(w), float(hh)))
             bins.append([xb, yb, int(sb[0]), int(sb[1])])
         else:
             objects.append({"x": x, "y": y})

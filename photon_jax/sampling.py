@@ -29,11 +29,11 @@ from .dtypes import F32
 DEFAULT_CANDIDATES = 256
 
 
-def apply_bans(logits_RV, ban_RB):
+def apply_bans(logits_RV, ban_RA):
     """Set the listed ids (per row, -1 = unused slot) to -inf."""
     v = logits_RV.shape[-1]
     ids = jnp.arange(v)[None, None, :]
-    banned = (ids == ban_RB[:, :, None]).any(axis=1)
+    banned = (ids == ban_RA[:, :, None]).any(axis=1)
     return jnp.where(banned, -jnp.inf, logits_RV)
 
 
@@ -68,10 +68,10 @@ def draw(logits_RV, temperature_R, top_p_R, seed_R, index_R,
     return jnp.where(temperature_R > 0, drawn, greedy(logits_RV))
 
 
-def sample(logits_RV, ban_RB, temperature_R, top_p_R, seed_R, index_R, *,
+def sample(logits_RV, ban_RA, temperature_R, top_p_R, seed_R, index_R, *,
            stochastic: bool = True, candidates: int = DEFAULT_CANDIDATES):
     """-> [R] int32 token ids, with the listed ids banned (the one-request path)."""
-    lg = apply_bans(logits_RV.astype(F32), ban_RB)
+    lg = apply_bans(logits_RV.astype(F32), ban_RA)
     if not stochastic:
         return greedy(lg)
     return draw(lg, temperature_R, top_p_R, seed_R, index_R, candidates)

@@ -28,28 +28,26 @@ committed tokens before it, so the engine predicts it at dispatch (`feedable`) a
 request never rides an extra step as a zombie.  `budget` bounds the tokens a request may
 generate: the engine reserves KV pages for prompt + budget at admission.
 
-Constraint ids index the small device table built in `step.py`.
+Each step a skill names a constraint (`constraints`: ids and what each one does); the
+device applies it.  `for_request` is the factory from a request to its skill.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+from .constraints import (BAN_ANSWER, FORCE_COORD, FORCE_SIZE, FREE, REASON, REASON_FIRST,
+                          SEGMENT, SPATIAL_X)
 from .streaming import TextStreamer
-
-# Constraint ids (rows of the device mask table).
-FREE = 0          # no constraint
-BAN_ANSWER = 1    # the answer id is banned
-SPATIAL_X = 2     # full-vocabulary argmax; EOS stays EOS, anything else becomes coord_id
-FORCE_COORD = 3   # always coord_id
-FORCE_SIZE = 4    # always size_id
-REASON_FIRST = 5  # reasoning, first token: free, but a coord id carries a coordinate
-REASON = 6        # reasoning: EOS and size banned, a coord id carries a coordinate
-SEGMENT = 7       # free; a coord id carries a coordinate, a size id a (w, h) size
-N_CONSTRAINTS = 8
 
 
 MAX_REPEAT_NGRAM = 16
+
+
+def box(x: float, y: float, w: float, h: float) -> dict:
+    """The box of centre (x, y) and size (w, h), as Moondream returns it: {"x_min", "y_min",
+    "x_max", "y_max"}, not clamped to [0, 1] (the reference does not clamp)."""
+    return {"x_min": x - w / 2, "y_min": y - h / 2, "x_max": x + w / 2, "y_max": y + h / 2}
 
 
 def repeats(ids: list[int], times: int) -> bool:
@@ -135,8 +133,7 @@ def parse_segment(ids: list[int], values: list, decode: Callable, coord_id: int,
     bbox = None
     if size is not None:
         (x, y), (w, h) = coords[:2], size
-        # Not clamped to [0, 1], like detect's boxes (the reference does not clamp).
-        bbox = {"x_min": x - w / 2, "y_min": y - h / 2, "x_max": x + w / 2, "y_max": y + h / 2}
+        bbox = box(x, y, w, h)
     return {"path": decode(path).strip(), "bbox": bbox}
 
 
@@ -297,13 +294,30 @@ class PointsSkill:
             if not self.with_size:
                 self.objects.append({"x": self._x, "y": self._y})
         else:
-            w, h = float(value[0]), float(value[1])
-            x, y = self._x, self._y
-            # Not clamped to [0, 1]: the reference does not clamp.
-            self.objects.append({"x_min": x - w / 2, "y_min": y - h / 2,
-                                 "x_max": x + w / 2, "y_max": y + h / 2})
+            self.objects.append(box(self._x, self._y, float(value[0]), float(value[1])))
         return None
 
     def result(self, finish_reason: str) -> dict:
         return {"objects": list(self.objects), "finish_reason": finish_reason,
                 "output_tokens": self.count}
+
+
+def for_request(req, tok, *, prompt_end: int, max_context: int, decode: Callable,
+                on_text: Callable | None = None, on_reasoning: Callable | None = None):
+    """The skill state machine of one request (a `request.Request`; tok: its model's
+    `TokenizerConfig`): text (caption / query), reasoning query, segment, detect or point."""
+    common = dict(prompt_end=prompt_end, max_context=max_context, eos_id=tok.eos_id,
+                  ignore_eos=req.ignore_eos)
+    text = dict(max_tokens=req.settings.max_tokens, decode=decode, on_text=on_text,
+                repeat_stop=req.settings.repeat_stop, **common)
+    if req.skill == "text" and req.reasoning:
+        return ReasoningSkill(answer_id=tok.answer_id, coord_id=tok.coord_id,
+                              chunk_ids=(tok.start_ground_points_id, tok.end_ground_id),
+                              on_reasoning=on_reasoning, **text)
+    if req.skill == "text":
+        return TextSkill(**text)
+    if req.skill == "segment":
+        return SegmentSkill(coord_id=tok.coord_id, size_id=tok.size_id,
+                            **{**text, "on_text": None})
+    return PointsSkill(with_size=req.skill == "detect", max_objects=req.settings.max_objects,
+                       **common)

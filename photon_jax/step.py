@@ -31,13 +31,12 @@ import jax
 import jax.numpy as jnp
 
 import flax.struct
-import numpy as np
 
-from . import kvpool, region, sampling, skills, text, vision
+from . import constraints, kvpool, region, sampling, text, vision
 from .config import MoondreamConfig
 from .dtypes import F32, jnp_dtype
 from .kvpool import DecodeAccess, KVPool, PrefillAccess
-from .meta import (F_LAST, F_PREFIX, F_ROW, F_START, KIND_COORD, KIND_SIZE, KIND_TOKEN,
+from .meta import (F_LAST, F_PREFIX, F_START, KIND_COORD, KIND_SIZE, KIND_TOKEN,
                    M_OFF, M_PAGE, M_POS, M_ROW, M_TABLE, P_COUNT, P_OWNER)
 from .text import DenseAccess
 
@@ -66,8 +65,8 @@ class Pending:
 
 @flax.struct.dataclass
 class Tables:
-    """The constraint table: one row per constraint id of `skills`, indexed by one int per
-    row and step, so a step uploads R ints instead of an [R, V] mask."""
+    """The constraint table (`constraints.tables`): one row per constraint id, indexed by
+    one int per row and step, so a step uploads R ints instead of an [R, V] mask."""
     ban: jax.Array        # [M, V] bool: True = logit set to -inf
     remap: jax.Array      # [M] int32: sampled ids become this id (-1 = keep)
     keep_eos: jax.Array   # [M] bool: ...except EOS, which stays EOS
@@ -75,25 +74,51 @@ class Tables:
     size_kind: jax.Array   # [M] bool: a sampled size id carries a (w, h) value
 
 
-def make_tables(cfg: MoondreamConfig) -> dict:
-    """Host (NumPy) contents of the constraint table."""
-    t, v = cfg.tokenizer, cfg.text.vocab_size
-    m = skills.N_CONSTRAINTS
-    ban = np.zeros((m, v), bool)
-    ban[skills.BAN_ANSWER, t.answer_id] = True
-    ban[skills.REASON, [t.eos_id, t.size_id]] = True
-    remap = np.full(m, -1, np.int32)
-    remap[[skills.SPATIAL_X, skills.FORCE_COORD]] = t.coord_id
-    remap[skills.FORCE_SIZE] = t.size_id
-    keep_eos = np.zeros(m, bool)
-    keep_eos[skills.SPATIAL_X] = True
-    coord_kind = np.zeros(m, bool)
-    coord_kind[[skills.SPATIAL_X, skills.FORCE_COORD, skills.REASON_FIRST, skills.REASON,
-                skills.SEGMENT]] = True
-    size_kind = np.zeros(m, bool)
-    size_kind[[skills.FORCE_SIZE, skills.SEGMENT]] = True
-    return dict(ban=ban, remap=remap, keep_eos=keep_eos, coord_kind=coord_kind,
-                size_kind=size_kind)
+@flax.struct.dataclass
+class DeviceState:
+    """Everything an engine keeps on its device between steps: the KV pool, the two slots,
+    the pending inputs (one row per decode row + the dummy row 0) and the constraint table.
+    A pytree; the engine replaces it field by field as the programs return new buffers
+    (each donated into the call that writes it)."""
+    pool: KVPool
+    slots: tuple          # (Slot, Slot): the ping-pong step buffers
+    pending: Pending
+    tables: Tables
+
+    @classmethod
+    def init(cls, cfg: MoondreamConfig, *, arena_sizes: tuple, page_size: int,
+             max_batch_size: int, device=None) -> "DeviceState":
+        """Zeroed buffers, committed to `device` (a program first called with uncommitted
+        arrays compiles again for the committed ones its outputs are)."""
+        with jax.default_device(device):
+            state = cls._build(cfg, arena_sizes, page_size, max_batch_size)
+            return jax.device_put(state, device)
+
+    @classmethod
+    def abstract(cls, cfg: MoondreamConfig, *, arena_sizes: tuple, page_size: int,
+                 max_batch_size: int) -> "DeviceState":
+        """The same state as shapes and dtypes only (nothing allocated): for compiling and
+        for memory accounting."""
+        return jax.eval_shape(lambda: cls._build(cfg, arena_sizes, page_size, max_batch_size))
+
+    @classmethod
+    def _build(cls, cfg, arena_sizes, page_size, max_batch_size):
+        return cls(kvpool.init_pool(cfg.text, tuple(arena_sizes), page_size, cfg.dtype),
+                   (init_slot(cfg, max_batch_size), init_slot(cfg, max_batch_size)),
+                   init_pending(max_batch_size + 1),
+                   Tables(**{k: jnp.asarray(v) for k, v in constraints.tables(
+                       cfg.tokenizer, cfg.text.vocab_size).items()}))
+
+    def nbytes(self) -> dict:
+        """Bytes per part: {"pool", "slots", "pending", "tables"}."""
+        size = lambda t: int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t)))  # noqa: E731
+        return {"pool": size(self.pool), "slots": size(self.slots),
+                "pending": size(self.pending), "tables": size(self.tables)}
+
+    def with_slot(self, i: int, slot: Slot) -> "DeviceState":
+        slots = list(self.slots)
+        slots[i] = slot
+        return self.replace(slots=tuple(slots))
 
 
 def init_slot(cfg: MoondreamConfig, rows: int) -> Slot:

@@ -77,16 +77,16 @@ def rope_inv_freq(cfg: TextConfig) -> np.ndarray:
     return (np.float32(1.0) / np.power(np.float32(cfg.rope_theta), exps)).astype(np.float32)
 
 
-def apply_rope(x_RTNH, pos_RT, cfg: TextConfig):
+def apply_rope(x_RTQH, pos_RT, cfg: TextConfig):
     """Rotate the first `rope_dim` dims (halves j and j+rot/2 as pairs), written interleaved."""
     rot, half = cfg.rope_dim, cfg.rope_dim // 2
     ang = pos_RT.astype(F32)[..., None] * jnp.asarray(rope_inv_freq(cfg))   # [R, T, half]
     cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
-    xr = x_RTNH[..., :rot].astype(F32)
+    xr = x_RTQH[..., :rot].astype(F32)
     re, im = xr[..., :half], xr[..., half:]
     out = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1)
-    out = out.reshape(*x_RTNH.shape[:-1], rot).astype(x_RTNH.dtype)
-    return jnp.concatenate([out, x_RTNH[..., rot:]], axis=-1)
+    out = out.reshape(*x_RTQH.shape[:-1], rot).astype(x_RTQH.dtype)
+    return jnp.concatenate([out, x_RTQH[..., rot:]], axis=-1)
 
 
 def tau_factors(p, qkv_RTQ, pos_RT):

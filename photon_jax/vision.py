@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from .config import VisionConfig
 from .dtypes import F32, matmul_precision
 from .image import pixel_lut
-from .layers import attention, gelu_tanh, layer_norm, linear, mlp
+from .layers import attention, layer_norm, linear, mlp
 
 
 def patchify(crops_CHWc, cfg: VisionConfig):
@@ -30,7 +30,7 @@ def normalize(crops_u8, dtype):
     return lut[crops_u8.astype(jnp.int32)].astype(dtype)
 
 
-def attention_per_crop_head(q_CTNH, k_CTNH, v_CTNH):
+def attention_per_crop_head(q_CTQH, k_CTQH, v_CTQH):
     """Unmasked attention computed one (crop, head) at a time in a loop with a static trip
     count.  Each pair runs exactly `layers.attention`'s computation, so every output equals
     the batched call's (to float rounding of the same ops); only one [729, 729] score matrix
@@ -38,13 +38,13 @@ def attention_per_crop_head(q_CTNH, k_CTNH, v_CTNH):
     round trip through memory.  On CPU this halves the vision encoder's time (13 crops of
     the test fixture's tower: 108 -> 51 ms per layer, measured); accelerators use the
     batched form (`encode_crops(loop=False)`), where a loop of small kernels would not pay."""
-    c, t, n, h = q_CTNH.shape
+    c, t, n, h = q_CTQH.shape
 
     def heads_first(x):
         return x.transpose(0, 2, 1, 3).reshape(c * n, t, 1, h)
 
     o = jax.lax.map(lambda a: attention(a[0][None], a[1][None], a[2][None])[0],
-                    (heads_first(q_CTNH), heads_first(k_CTNH), heads_first(v_CTNH)))
+                    (heads_first(q_CTQH), heads_first(k_CTQH), heads_first(v_CTQH)))
     return o.reshape(c, n, t, h).transpose(0, 2, 1, 3).reshape(c, t, n * h)
 
 

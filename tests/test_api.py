@@ -57,7 +57,7 @@ def test_image_kinds_agree(md):
 
 def test_encoded_image_reuse(md, ref):
     enc = md.encode_image(LAND)
-    assert enc.key in md.engine.cache.entries and not enc.released   # pinned in the pool
+    assert enc.key in md.engine.sched.cache.entries and not enc.released   # pinned in the pool
     a = md.caption(enc, "normal", settings=GREEDY)["caption"]
     b = md.caption(enc, "normal", settings=GREEDY)["caption"]
     assert a == b == ref["caption_normal"]["text"]

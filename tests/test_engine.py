@@ -18,7 +18,6 @@ import pytest
 from photon_jax import hostsync, kvpool, meta as meta_mod, reference, step as step_mod
 from photon_jax.engine import Engine, EngineError, Request, RequestError
 from photon_jax.frontend import ImagePrefix
-from photon_jax.model import Model
 from photon_jax.settings import Settings
 
 from conftest import FIXTURE_DIR, biased_model
@@ -104,8 +103,8 @@ def test_pipelined_equals_blocking_equals_reference(model, encoded, seed):
             outs[pipelined] = run(eng, reqs, cancel=cancel)
         finally:
             eng.close()
-        assert eng.running == [] and sorted(eng.free_rows) == [1, 2, 3]
-        assert (eng.alloc.in_use(), eng.alloc.reserved) == (0, 0)   # every page came back
+        assert eng.sched.running == [] and sorted(eng.sched.free_rows) == [1, 2, 3]
+        assert (eng.sched.alloc.in_use(), eng.sched.alloc.reserved) == (0, 0)   # every page came back
     finishes = set()
     for i, ((req, want), got_p, got_b) in enumerate(zip(items, outs[True], outs[False])):
         for got in (got_p, got_b):
@@ -127,7 +126,7 @@ def events_of(model, encoded, seed, n, waves, **engine_kw):
         run(eng, [r for r, _ in workload(model, encoded, seed, n)], waves=waves)
     finally:
         eng.close()
-    return eng.events
+    return eng.sched.events
 
 
 def test_zombies_are_released_one_commit_after_finalize(model, encoded):
@@ -381,7 +380,7 @@ def test_cancel_and_close_drain(model, encoded):
 
 def test_constraint_table_and_allowed_sets(model):
     """One int per row selects the constraint; a per-row allowed set restricts further."""
-    from photon_jax import skills
+    from photon_jax import constraints
 
     cfg, P = model.cfg, model.programs
     tok = cfg.tokenizer
@@ -390,15 +389,15 @@ def test_constraint_table_and_allowed_sets(model):
     logits[:, 100] = 5.0
     logits[:, tok.answer_id] = 9.0                 # row 1 bans it -> 100
     logits[[2, 4], tok.eos_id] = 20.0              # EOS wins the full argmax of rows 2 and 4
-    cons = [skills.FREE, skills.BAN_ANSWER, skills.SPATIAL_X, skills.SPATIAL_X,
-            skills.FORCE_COORD, skills.FORCE_SIZE, skills.FREE]
+    c = constraints
+    cons = [c.FREE, c.BAN_ANSWER, c.SPATIAL_X, c.SPATIAL_X, c.FORCE_COORD, c.FORCE_SIZE, c.FREE]
     with jax.default_device(model.device):
         slot = step_mod.init_slot(cfg, rows)
         slot = slot.replace(logits=jnp.asarray(logits),
                             hidden=jnp.asarray(np.random.default_rng(0).normal(
                                 size=(rows, cfg.text.dim)), slot.hidden.dtype))
         pending = step_mod.init_pending(10)
-        tables = step_mod.Tables(**jax.device_put(step_mod.make_tables(cfg)))
+        tables = step_mod.Tables(**jax.device_put(constraints.tables(tok, v)))
     meta = np.zeros((4, rows), np.int32)
     meta[0] = [9, 8, 7, 6, 5, 4, 3]
     samp = np.zeros((step_mod.S_ALLOW + 2, rows), np.int32)

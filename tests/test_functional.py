@@ -3,6 +3,7 @@ against the reference's golden outputs (tests/fixtures/moondream2-tiny, float32)
 
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,14 +163,18 @@ def test_decode_step_equals_prefill(model, cases, img_sq):
         return full, (F.logits(params, cfg, full[1][-2]), lg1, lg2, h1, h2, cache)
 
     (lg, hid, cache), (lg1_full, lg1, lg2, h1, h2, cache2) = run(model.params, img_sq)
+    t, v, d = cfg.prefix_len + len(ids), cfg.text.vocab_size, cfg.text.dim
+    # The module boundary: shapes and dtypes of what the functions hand back.
+    chex.assert_shape(img_sq, (cfg.prefix_len - 1, d))
+    chex.assert_shape([lg1, lg2], (v,))
+    chex.assert_shape([h1, h2], (d,))
+    chex.assert_shape(hid, (t, d))
+    chex.assert_type([lg1, lg2, h1, h2, hid], jnp.float32)
+    chex.assert_trees_all_equal_shapes_and_dtypes(cache2, cache)
     tol = dict(rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(lg2, lg, **tol)
-    np.testing.assert_allclose(lg1, lg1_full, **tol)
-    np.testing.assert_allclose(np.stack([h1, h2]), hid[-2:], **tol)
-    np.testing.assert_allclose(cache2.k, cache.k, **tol)
-    np.testing.assert_allclose(cache2.v, cache.v, **tol)
-    assert lg2.shape == (cfg.text.vocab_size,)
-    assert cache.k.shape[:2] == (cfg.text.n_layers, cfg.prefix_len + len(ids))
+    chex.assert_trees_all_close((lg2, lg1, np.stack([h1, h2]), cache2),
+                                (lg, lg1_full, hid[-2:], cache), **tol)
+    assert cache.k.shape[:2] == (cfg.text.n_layers, t)
 
 
 def test_region_heads_reproduce_reference_detect(model, cases, img_sq):

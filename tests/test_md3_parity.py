@@ -10,7 +10,6 @@ and routing matches counted.
 
 import hashlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -99,9 +99,9 @@ def test_decode_metadata_names_each_page_of_each_row():
 
 # -- attention over pages ---------------------------------------------------------------------
 
-def dense_attention(q_NH, k_KSH, v_KSH):
-    kh, n = k_KSH.shape[0], q_NH.shape[0]
-    q = q_NH.reshape(kh, n // kh, -1).astype(np.float64)
+def dense_attention(q_QH, k_KSH, v_KSH):
+    kh, n = k_KSH.shape[0], q_QH.shape[0]
+    q = q_QH.reshape(kh, n // kh, -1).astype(np.float64)
     s = np.einsum("kgh,ksh->kgs", q, k_KSH) / np.sqrt(q.shape[-1])
     w = np.exp(s - s.max(-1, keepdims=True))
     w /= w.sum(-1, keepdims=True)
@@ -203,7 +203,7 @@ def test_a_small_pool_makes_requests_wait_evicts_and_recreates_prefixes(model, e
     for pipelined, cache in ((True, True), (False, False)):
         eng = Engine(model, max_batch_size=8, max_context=800, kv_cache_tokens=tokens,
                      page_size=32, pipelined=pipelined, prefix_cache=cache)
-        fits = eng.alloc.usable // pages_for(model.cfg.prefix_len + 5 + 4, 32)
+        fits = eng.sched.alloc.usable // pages_for(model.cfg.prefix_len + 5 + 4, 32)
         got = [None] * len(reqs)
         try:
             def client(k):
@@ -229,7 +229,7 @@ def test_a_small_pool_makes_requests_wait_evicts_and_recreates_prefixes(model, e
             assert stats["hits"] + stats["misses"] == len(reqs) and stats["inserts"] > 0
         else:
             assert stats["hits"] == 0 and stats["entries"] == 0
-        assert (eng.alloc.in_use(), eng.alloc.reserved) == (0, 0)
+        assert (eng.sched.alloc.in_use(), eng.sched.alloc.reserved) == (0, 0)
 
 
 def test_an_evicted_prefix_is_recreated_exactly(model, encoded):
@@ -249,7 +249,7 @@ def test_an_evicted_prefix_is_recreated_exactly(model, encoded):
         assert (st["inserts"], st["evictions"], st["hits"], st["misses"]) == (3, 2, 1, 3)
     finally:
         eng.close()
-    assert (eng.alloc.in_use(), eng.alloc.reserved) == (0, 0)
+    assert (eng.sched.alloc.in_use(), eng.sched.alloc.reserved) == (0, 0)
 
 
 def test_a_request_larger_than_the_pool_fails_alone(model, encoded):
@@ -288,7 +288,7 @@ def test_cancelling_frees_pages_at_the_right_commit(model, encoded):
         assert long.result(timeout=60)["finish_reason"] == "cancelled"
         mem = eng.memory()
         assert (mem["pages_in_sequences"], mem["pages_reserved"]) == (0, 0)
-        ev = {e[0]: e for e in eng.events if e[1] == long.id}
+        ev = {e[0]: e for e in eng.sched.events if e[1] == long.id}
         assert ev["release"][2] >= ev["finalize"][2]   # released at or after its last commit
     finally:
         eng.close()
@@ -307,7 +307,7 @@ def test_a_pinned_prefix_is_never_evicted(model, encoded):
             eng.submit(Request("text", eng.model.prompts.caption("short"), img, s)).result(
                 timeout=300)
         st = eng.stats()["prefix_cache"]
-        assert st["evictions"] > 0 and pinned.key in eng.cache.entries
+        assert st["evictions"] > 0 and pinned.key in eng.sched.cache.entries
         hits = st["hits"]
         q = Request("text", eng.model.prompts.caption("short"), pinned, s)
         assert eng.submit(q).result(timeout=300)["ids"] == ref_ids(
@@ -319,7 +319,7 @@ def test_a_pinned_prefix_is_never_evicted(model, encoded):
         assert eng.stats()["prefix_cache"]["pinned"] == 0
     finally:
         eng.close()
-    assert (eng.alloc.in_use(), eng.alloc.reserved) == (0, 0)
+    assert (eng.sched.alloc.in_use(), eng.sched.alloc.reserved) == (0, 0)
 
 
 # -- memory accounting -------------------------------------------------------------------------

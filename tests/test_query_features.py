@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from photon_jax import Moondream, reference, skills
+from photon_jax import Moondream, constraints, reference, skills
 from photon_jax.api import BatchError
 from photon_jax.engine import Engine, Request
 from photon_jax.image import ImageError, load_image
@@ -97,11 +97,11 @@ def test_reasoning_skill_forces_the_answer_id_at_the_budget():
     r = skills.ReasoningSkill(max_tokens=2, prompt_end=10, max_context=100, eos_id=0,
                               answer_id=3, coord_id=5, chunk_ids=(7, 9),
                               decode=lambda ids: "".join(f"w{i} " for i in ids if i > 9))
-    assert r.constraint(0) == skills.REASON_FIRST and r.constraint(1) == skills.REASON
+    assert r.constraint(0) == constraints.REASON_FIRST and r.constraint(1) == constraints.REASON
     assert r.allowed(1) is None and r.allowed(2) == [3]
     assert r.consume(7, (0, 0)) is None and r.consume(5, (0.25, 0)) is None
     assert r.consume(3, (0, 0)) is None      # the forced answer id: the answer starts at 3
-    assert r.constraint(3) == skills.FREE and r.constraint(4) == skills.BAN_ANSWER
+    assert r.constraint(3) == constraints.FREE and r.constraint(4) == constraints.BAN_ANSWER
     assert r.consume(42, (0, 0)) is None and r.consume(43, (0, 0)) == "length"
     out = r.result("length")
     assert out["text"] == "w42 w43 " and out["reasoning"] == {"text": "", "grounding": []}

@@ -113,6 +113,6 @@ def test_engine_streams_join_to_the_result_and_early_close_cancels(bpe_model):
         cancelled = handles[1].result(timeout=60)
         assert cancelled["finish_reason"] == "cancelled"
         assert want[1]["text"].startswith(first)
-        assert sorted(eng.free_rows) == [1, 2, 3]
+        assert sorted(eng.sched.free_rows) == [1, 2, 3]
     finally:
         eng.close()

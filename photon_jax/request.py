@@ -1,0 +1,175 @@
+"""The caller's side of a generation: `Request` (what to run), `Handle` (its result, stream,
+cancel and metrics) and the two errors.
+
+The API, the CLI and the Ray integration use these without importing the scheduler; the
+engine (`engine.Engine`) creates handles and finishes them from its scheduler thread.  A
+handle only needs its runner to wake it (after `cancel`) and to say whether it is still
+alive (`Runner`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .settings import Settings
+
+_END = object()
+
+
+class Runner(Protocol):
+    """What a handle needs from the engine that runs it."""
+    alive: bool
+    failure: BaseException | None
+
+    def wake(self) -> None:
+        """Look at cancellations now (the scheduler may be waiting for work)."""
+
+
+class EngineError(RuntimeError):
+    """The engine stopped (closed, or a device error failed every request)."""
+
+
+class RequestError(ValueError):
+    """A request that cannot run as given (the message names the input and the fix)."""
+
+
+@dataclass
+class Request:
+    """One generation.  `skill` is "text" (caption / query), "detect", "point" or "segment"
+    (Moondream 3).  `prompt` is the token ids after the image prefix (text-only prompts start
+    with BOS themselves).
+    `image`: a path, bytes, PIL image, array, `EncodedImage` (this engine's),
+    `PreparedImage`, `ImagePrefix` (dense K/V, e.g. the one-request path's) or None."""
+    skill: str
+    prompt: list
+    image: Any = None
+    settings: Settings = field(default_factory=Settings)
+    region: list | None = None  # (v0, v1) per coord / size token of the prompt (spatial refs)
+    reasoning: bool = False     # text: MD2 grounded reasoning before the answer
+    ignore_eos: bool = False    # benchmarks: decode a fixed number of tokens
+
+
+class Handle:
+    """The caller's side of a request: `result()`, `cancel()`, `text_stream()`."""
+
+    def __init__(self, engine: "Runner", request: Request):
+        self._engine, self.request = engine, request
+        self.id = None
+        self._done = threading.Event()
+        self._result = self._error = None
+        self._reasoning = None
+        self._reasoned = threading.Event()
+        self._texts: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancel_requested = False
+        self._callbacks: list = []
+        self._cb_lock = threading.Lock()
+        # Filled by the scheduler for `metrics()`: submit / first-token / end times, prompt
+        # positions, tokens committed, whether the image prefix came from the cache.
+        self._t_submit = time.perf_counter()
+        self._t_first = self._t_end = None
+        self._input_tokens = self._output_tokens = 0
+        self._prefix_hit: bool | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def metrics(self) -> dict:
+        """How the request ended and what it cost, once it finished: {"finish_reason"
+        ("stop", "length", "repeat", "max_objects", "cancelled", "error"), "input_tokens"
+        (prompt positions, the image prefix included), "output_tokens" (as in the result),
+        "prefix_cache_hit" (True / False; None without an image or with the cache off),
+        "time_to_first_token_s", "decode_tokens_per_s" (after the first token; None below
+        two tokens)}."""
+        if not self._done.is_set():
+            raise RuntimeError("metrics() is available once the request finished")
+        res = self._result if isinstance(self._result, dict) else {}
+        n = res.get("output_tokens", self._output_tokens)   # the skill's count, as in results
+        ttft = None if self._t_first is None else self._t_first - self._t_submit
+        rate = None
+        if self._t_first is not None and self._output_tokens > 1 and self._t_end > self._t_first:
+            rate = (self._output_tokens - 1) / (self._t_end - self._t_first)
+        reason = "error" if self._error is not None else res.get("finish_reason")
+        return {"finish_reason": reason, "input_tokens": self._input_tokens,
+                "output_tokens": n, "prefix_cache_hit": self._prefix_hit,
+                "time_to_first_token_s": ttft, "decode_tokens_per_s": rate}
+
+    def result(self, timeout: float | None = None):
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def reasoning(self, timeout: float | None = None) -> dict | None:
+        """The reasoning of a reasoning query, as soon as its phase ended (before the answer
+        is generated); None if the request ended before reasoning finished."""
+        if not self._reasoned.wait(timeout):
+            raise TimeoutError(f"reasoning not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._reasoning
+
+    def add_done_callback(self, fn) -> None:
+        """Call `fn(handle)` once the request finished (at once if it already has).  It runs
+        on the scheduler thread, so it must be quick (e.g. put the handle on a queue)."""
+        with self._cb_lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def cancel(self) -> None:
+        """Stop generating; the result (finish_reason "cancelled") arrives once the engine
+        has released the request's row."""
+        self.cancel_requested = True
+        self._engine.wake()
+
+    def text_stream(self):
+        """Text pieces as the engine commits tokens; closing the iterator cancels."""
+        try:
+            while True:
+                try:
+                    item = self._texts.get(timeout=0.5)
+                except queue.Empty:
+                    if not self._engine.alive and not self._done.is_set():
+                        raise EngineError("the engine stopped") from self._engine.failure
+                    continue
+                if item is _END:
+                    break
+                yield item
+            if self._error is not None:
+                raise self._error
+        finally:
+            if not self._done.is_set():
+                self.cancel()
+
+    # scheduler side
+    def _put_text(self, piece: str) -> None:
+        self._texts.put(piece)
+
+    def _set_reasoning(self, reasoning: dict) -> None:
+        self._reasoning = reasoning
+        self._reasoned.set()
+
+    def _finish(self, result=None, error: BaseException | None = None) -> None:
+        if self._done.is_set():
+            return
+        self._result, self._error = result, error
+        self._t_end = time.perf_counter()
+        if self._reasoning is None and isinstance(result, dict):
+            self._reasoning = result.get("reasoning")
+        self._reasoned.set()
+        with self._cb_lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        self._texts.put(_END)
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:   # a caller's bug must not stop the scheduler
+                logging.getLogger(__name__).exception("done callback failed")

@@ -1,0 +1,382 @@
+"""The scheduler: who runs, in which row, with which pages -- pure Python, no JAX.
+
+Owns the request queues (waiting for a prefill, encode jobs, running), the free rows, the
+page allocator and the image-prefix cache (`pages`), and every decision the engine's tick
+asks for: admission in arrival order by pages, the prefill plan (fairness with decode rows
+included), the rows eligible for the next decode step, and at commit the per-row outcome
+(finalize early, release late, cancellations).  The engine (`engine.Engine`) is the runner:
+it packs these decisions into arrays, dispatches the device programs and reads the results
+back.  Tests drive this class with fake requests and skills (tests/test_scheduler.py).
+
+Two clocks per sequence (`Seq`): `length` / `n_tokens` advance when a step is *launched*
+(the device's view), the skill's `count` when it is *committed* (the host's view).  A row
+is released -- its row and pages handed to someone else -- only once no launched step
+contains it (`inflight_refs == 0`); a finalized row still in flight rides along as a
+"zombie" whose outputs are discarded.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Callable
+
+from .pages import PageAllocator, PrefixCache, pages_for
+from .request import EngineError, Handle, RequestError
+
+
+class Seq:
+    """Scheduler-side state of one request: two clocks, in-flight refs, finalized."""
+    _ids = itertools.count()
+
+    def __init__(self, handle: Handle, prefix: int, prompt_end: int, skill):
+        self.id = next(self._ids)
+        self.handle, self.req = handle, handle.request
+        self.prefix, self.prompt_end, self.skill = prefix, prompt_end, skill
+        self.kinds = self.values = None   # per prompt position, when spatial refs are given
+        self.prep = None          # Future of a PreparedImage while preprocessing
+        self.image = None         # once ready: ImagePrefix / PreparedImage / EncodedImage / None
+        self.encoded = False      # the image is an EncodedImage (pinned; never re-prepared)
+        self.ready = False
+        self.key = None           # the image's prefix-cache key
+        self.source = None        # at admission: ("hit", entry) / ("miss", entry or None) / None
+        self.need_pages = 0       # pages of the whole budget, reserved at admission
+        self.pages: list[int] = []   # assigned pages, logical order
+        self.reserved = 0         # pages still promised to it (assigned lazily)
+        self.row = 0
+        self.length = 0           # GPU clock: next KV position written (advanced at launch)
+        self.n_tokens = 0         # token indices handed to launched steps
+        self.inflight_refs = 0    # launched, not yet committed steps containing this row
+        self.pending_ready = False
+        self.finalized = False
+        self.finish_reason = None
+        self.outcome = None       # (result, error) held back until release (cancellations)
+
+
+class Scheduler:
+    """Queues, rows, pages and the prefix cache of one engine (see the module docstring).
+
+    rows: decode rows, numbered 1..rows (row 0 is the device's dummy row).  n_pages: pages of
+    the pool (page 0 is the dummy page).  prefix_len: positions of an image prefix.
+    prefill_tokens: prompt positions one prefill launch may take.  reprepare(seq): prepare a
+    request's image again (its crops were skipped on a predicted cache hit that was evicted
+    since); the engine sets `seq.prep` and wakes itself when it is done."""
+
+    def __init__(self, *, rows: int, max_batch_size: int, n_pages: int, page_size: int,
+                 prefix_len: int, prefill_tokens: int, prefix_cache: bool = True,
+                 reprepare: Callable[[Seq], None] | None = None, record_events: bool = False):
+        self.max_batch_size, self.page_size = max_batch_size, page_size
+        self.prefill_tokens = prefill_tokens
+        self.alloc = PageAllocator(n_pages)
+        self.cache = PrefixCache(self.alloc, enabled=prefix_cache)
+        self.prefix_pages = pages_for(prefix_len, page_size)
+        self.reprepare = reprepare
+        self.free_rows = list(range(rows, 0, -1))   # pop() hands out the lowest row
+        self.waiting: collections.deque[Seq] = collections.deque()
+        self.encodes: collections.deque[Seq] = collections.deque()
+        self.running: list[Seq] = []
+        self.last_kind: str | None = None   # "prefill" / "decode": the last launch
+        self.commits = 0
+        # (event, request id, commit number, detail) for the zombie-accounting tests.
+        self.events: list | None = [] if record_events else None
+        # Results finished during a commit go out after its step is logged, so a caller
+        # that holds a result also finds the step that produced it in the step log.
+        self.outbox: list = []
+
+    # -- intake ---------------------------------------------------------------------------
+
+    def budget_pages(self, seq: Seq, max_context: int) -> int:
+        """Pages of the request's whole budget (prompt + what it may generate, capped by
+        the context), reserved at admission."""
+        if seq.skill is None:   # an encode job: its cache entry
+            return self.prefix_pages
+        return pages_for(min(seq.prompt_end + seq.skill.budget, max_context), self.page_size)
+
+    def add(self, seqs: list[Seq]) -> None:
+        for s in seqs:
+            (self.encodes if s.skill is None else self.waiting).append(s)
+
+    def drained(self) -> bool:
+        return not self.waiting and not self.encodes and not self.running
+
+    # -- admission ------------------------------------------------------------------------
+
+    def resolve(self, s: Seq) -> bool:
+        """Is the request's image prepared?  A failed preparation fails the request alone."""
+        if not s.ready and s.prep is not None and s.prep.done():
+            try:
+                s.image, s.ready = s.prep.result(), True
+                s.key = s.image.key
+            except Exception as e:  # unreadable image etc.: this request alone fails
+                (self.encodes if s.skill is None else self.waiting).remove(s)
+                s.handle._finish(error=e)
+                return False
+        return s.ready
+
+    def source(self, s: Seq):
+        """Where the request's image prefix comes from: ("hit", entry), ("miss", None), None
+        (no image, or a dense prefix), or "later" (a skipped crop whose entry was evicted:
+        prepared again)."""
+        if s.key is None:
+            return None
+        entry = self.cache.get(s.key)
+        if entry is not None:
+            return ("hit", entry)
+        if s.encoded:
+            raise RequestError("this EncodedImage was released and its prefix evicted; "
+                               "encode the image again")
+        if not s.image.has_crops:   # predicted a hit that was evicted since: crop it now
+            s.ready, s.image = False, None
+            self.reprepare(s)
+            return "later"
+        return ("miss", None)
+
+    def admit_pages(self, s: Seq, keep: set) -> bool:
+        """Reserve the request's pages (evicting unpinned cached prefixes least recently used
+        first if needed) and assign those of its prompt.  False: not now (it waits)."""
+        need = s.need_pages
+        if self.alloc.available() < need:
+            self.cache.evict_for(need, keep)
+            if self.alloc.available() < need:
+                return False
+        self.alloc.reserve(need)
+        s.reserved = need
+        n = pages_for(s.prompt_end, self.page_size) if s.skill is not None else 0
+        s.pages = self.alloc.take(n, reserved=True)
+        s.reserved -= n
+        return True
+
+    def cache_miss(self, s: Seq, keep: set):
+        """A cache entry for a miss's prefix (evicting older ones if needed), or None when
+        caching is off or the pool has no room for it."""
+        if not self.cache.enabled:
+            return None
+        if self.alloc.available() < self.prefix_pages:
+            self.cache.evict_for(self.prefix_pages, keep)
+        return self.cache.insert(s.key, self.prefix_pages, s.image.tiling)
+
+    def next_encode(self):
+        """The next encode job that can run now, with its source ("hit", entry) or ("miss",
+        pinned new entry); None when none can (they wait for images or pages)."""
+        for s in list(self.encodes):
+            if not self.resolve(s):
+                continue
+            src = self.source(s)
+            if src == "later":
+                continue
+            if src[0] == "hit":
+                self.cache.pin(s.key)
+                self.cache.count_hit()
+                return s, src
+            if self.alloc.available() < self.prefix_pages:
+                self.cache.evict_for(self.prefix_pages)
+            entry = self.cache.insert(s.key, self.prefix_pages, s.image.tiling, pin=True)
+            if entry is None:
+                continue   # waits for pages
+            self.cache.count_miss()
+            return s, ("miss", entry)
+        return None
+
+    # -- launch ---------------------------------------------------------------------------
+
+    def eligible(self) -> list[Seq]:
+        """Rows that may join the next decode step: not finalized, their next input on the
+        device, fewer than two steps in flight, and a next token that will be fed."""
+        return [s for s in self.running
+                if not s.finalized and s.pending_ready and s.inflight_refs < 2
+                and not s.handle.cancel_requested and s.skill.feedable(s.n_tokens - 1)]
+
+    def plan_prefill(self, decode_waiting: bool) -> list[Seq]:
+        """The requests of the next prefill, their pages reserved (and cache entries made
+        for misses).  Prefill first, but never twice in a row while decode rows wait: a
+        stream of arrivals must not starve the rows already generating.  Requests are
+        admitted in arrival order: one that cannot get its pages now waits, and so do those
+        behind it."""
+        if not self.free_rows or (decode_waiting and self.last_kind == "prefill"):
+            return []
+        batch, tokens, keep = [], 0, set()
+        for s in list(self.waiting):
+            if not self.resolve(s):
+                continue
+            if len(batch) == min(len(self.free_rows), self.max_batch_size) or (
+                    batch and tokens + s.prompt_end > self.prefill_tokens):
+                break
+            try:
+                src = self.source(s)
+            except RequestError as e:
+                self.waiting.remove(s)
+                s.handle._finish(error=e)
+                continue
+            if src == "later":
+                continue
+            if not self.admit_pages(s, keep):
+                break
+            if src is not None:
+                keep.add(s.key)
+                if src[0] == "miss":
+                    src = ("miss", self.cache_miss(s, keep))
+            s.source = src
+            batch.append(s)
+            tokens += s.prompt_end
+        return batch
+
+    def unplan(self, batch: list[Seq]) -> None:
+        """Give back what planning reserved (the prefill is not launched this tick)."""
+        for s in batch:
+            self.free_pages(s)
+            if s.source and s.source[0] == "miss" and s.source[1] is not None:
+                self.cache.entries.pop(s.key, None)
+                self.alloc.give_back(s.source[1].pages)
+            s.source = None
+
+    def start_prefill(self, batch: list[Seq]) -> None:
+        """The planned batch is launched: each request takes a row and starts running, its
+        first token sampled by the device (token index 0)."""
+        for s in batch:
+            self.waiting.remove(s)
+            s.row = self.free_rows.pop()
+            self._event("acquire", s, s.row)
+            self.running.append(s)
+            s.length, s.n_tokens, s.inflight_refs = s.prompt_end, 1, 1
+        self.last_kind = "prefill"
+
+    def grow(self, rows: list[Seq]) -> list[int]:
+        """Before a decode step of `rows`: assign each row the page of the position it
+        writes when it crosses into one (from its reservation).  -> token index per row."""
+        for s in rows:
+            if s.length // self.page_size == len(s.pages):
+                s.pages += self.alloc.take(1, reserved=True)
+                s.reserved -= 1
+        return [s.n_tokens for s in rows]
+
+    def start_decode(self, rows: list[Seq]) -> None:
+        """The decode step of `rows` is launched: both device clocks advance."""
+        for s in rows:
+            s.inflight_refs += 1
+            s.n_tokens += 1
+            s.length += 1
+            s.pending_ready = False
+        self.last_kind = "decode"
+
+    # -- commit ---------------------------------------------------------------------------
+
+    def commit(self, seqs: list[Seq], tokens, values, now: float) -> int:
+        """Feed one committed step to its rows (tokens[i], values[i] for seqs[i]): finalize
+        the rows that finished (results go to the outbox), release zombies whose last step
+        this was.  -> tokens committed (zombie rows excluded)."""
+        self.commits += 1
+        n = 0
+        for i, s in enumerate(seqs):
+            s.inflight_refs -= 1
+            if s.finalized:
+                if s.inflight_refs == 0:
+                    self.release(s)
+                continue
+            h = s.handle
+            h._output_tokens += 1
+            if h._t_first is None:
+                h._t_first = now
+            try:
+                reason = s.skill.consume(int(tokens[i]), values[i])
+            except Exception as e:  # e.g. a tokenizer failure: this request alone fails
+                self.finalize(s, "error", error=e)
+                continue
+            if reason is None and s.handle.cancel_requested:
+                reason = "cancelled"
+            if reason is not None:
+                self.finalize(s, reason)
+            n += 1
+        return n
+
+    def finalize(self, s: Seq, reason: str, error: BaseException | None = None) -> None:
+        """Finalize early: the result goes out now (cancellations: at release)."""
+        s.finalized, s.finish_reason = True, reason
+        self._event("finalize", s, reason, s.inflight_refs)
+        if error is None:
+            result = s.skill.result(reason)
+            if reason == "cancelled":
+                s.outcome = (result, None)
+            else:
+                self.outbox.append((s.handle, (result, None)))
+        else:
+            self.outbox.append((s.handle, (None, error)))
+        if s.inflight_refs == 0:
+            self.release(s)
+
+    def release(self, s: Seq) -> None:
+        """Release late: the row is free only when no launched step contains it."""
+        assert s.inflight_refs == 0 and s.finalized
+        self._event("release", s, s.row)
+        self.running.remove(s)
+        self.free_rows.append(s.row)
+        self.free_rows.sort(reverse=True)
+        self.free_pages(s)
+        s.row = -1
+        if s.outcome is not None:
+            self.outbox.append((s.handle, s.outcome))
+
+    def free_pages(self, s: Seq) -> None:
+        self.alloc.give_back(s.pages)
+        self.alloc.unreserve(s.reserved)
+        s.pages, s.reserved = [], 0
+
+    def flush_outbox(self) -> None:
+        for handle, outcome in self.outbox:
+            handle._finish(*outcome)
+        self.outbox.clear()
+
+    # -- cancellations, stalls, failure ---------------------------------------------------
+
+    def settle_cancels(self) -> None:
+        """Cancelled requests: waiting ones finish now; running ones with nothing in flight
+        are finalized (the others at the commit of their last step)."""
+        for q in (self.waiting, self.encodes):
+            for s in list(q):
+                if s.handle.cancel_requested:
+                    q.remove(s)
+                    if s.prep is not None:
+                        s.prep.cancel()
+                    s.handle._finish(None if s.skill is None else s.skill.result("cancelled"))
+        for s in list(self.running):
+            if s.handle.cancel_requested and not s.finalized and s.inflight_refs == 0:
+                self.finalize(s, "cancelled")
+        self.flush_outbox()
+
+    def check_stuck(self, idle: bool) -> None:
+        """With nothing in flight (`idle`): fail loudly on rows that can never move (a
+        scheduler bug), and fail alone each request waiting for pages nothing will ever
+        free (the rest of the pool is pinned by EncodedImage handles)."""
+        if not idle:
+            return
+        if self.running and not any(s.inflight_refs or s.handle.cancel_requested
+                                    for s in self.running):
+            if not self.eligible():
+                raise EngineError(f"scheduler stuck with {len(self.running)} resident rows")
+        if self.running:
+            return
+        for q in (self.waiting, self.encodes):
+            for s in list(q):
+                free = self.alloc.available() + self.cache.evictable_pages()
+                if s.ready and s.need_pages > free:
+                    q.remove(s)
+                    pinned = self.cache.pages() - self.cache.evictable_pages()
+                    s.handle._finish(error=RequestError(
+                        f"this request needs {s.need_pages} KV pages and only {free} can be "
+                        f"freed: {pinned} are pinned by EncodedImage handles; release them or "
+                        "raise kv_cache_tokens"))
+
+    def fail_all(self, err: BaseException) -> None:
+        """Every request not finished fails with `err`; every page comes back."""
+        self.flush_outbox()   # results that were finished before the failure still count
+        for s in itertools.chain(self.waiting, self.encodes, self.running):
+            s.handle._finish(error=err if isinstance(err, EngineError) else
+                             EngineError(f"the engine failed: {err!r}"))
+        for s in self.running:
+            self.free_pages(s)
+        self.waiting.clear()
+        self.encodes.clear()
+        self.running.clear()
+
+    def _event(self, name: str, s: Seq, *detail) -> None:
+        if self.events is not None:
+            self.events.append((name, s.id, self.commits, *detail))

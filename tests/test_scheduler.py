@@ -1,0 +1,226 @@
+"""The scheduler alone, driven with fakes (no JAX, no model): admission by pages in arrival
+order, the prefill / decode fairness rule, finalize-early / release-late with zombies,
+cancellations, the prefix cache's hits and pins, and requests that could never fit.
+
+Each test plays the engine's part by hand: plan a prefill, "launch" it (start_prefill),
+commit fake tokens, plan decode steps (eligible / grow / start_decode)."""
+
+from dataclasses import dataclass
+
+import pytest
+
+from photon_jax.request import Handle, Request, RequestError
+from photon_jax.scheduler import Scheduler, Seq
+
+PAGE = 4
+
+
+class FakeRunner:
+    alive, failure = True, None
+
+    def wake(self):
+        pass
+
+
+class FakeSkill:
+    """A text-like skill: `budget` tokens at most, stops at token 0."""
+    spatial = False
+
+    def __init__(self, budget):
+        self.budget, self.count, self.ids = budget, 0, []
+
+    def feedable(self, index):
+        return index + 1 < self.budget
+
+    def consume(self, token, value):
+        self.count += 1
+        if token == 0:
+            return "stop"
+        self.ids.append(token)
+        return None if self.count < self.budget else "length"
+
+    def result(self, reason):
+        return {"ids": list(self.ids), "finish_reason": reason}
+
+
+@dataclass
+class FakeImage:
+    key: bytes
+    has_crops: bool = True
+    tiling: tuple = (1, 1)
+
+
+def seq(prompt_end, budget=4, image=None, prefix=0):
+    h = Handle(FakeRunner(), Request("text", [1] * (prompt_end - prefix)))
+    s = Seq(h, prefix, prompt_end, FakeSkill(budget))
+    if image is not None:
+        s.image, s.key = image, image.key
+    s.ready = True
+    return s
+
+
+def scheduler(pages=9, rows=4, prefix_len=8, **kw):
+    return Scheduler(rows=rows, max_batch_size=rows, n_pages=pages, page_size=PAGE,
+                     prefix_len=prefix_len, prefill_tokens=1000, **kw)
+
+
+def admit(sc, *seqs, ctx=64):
+    for s in seqs:
+        s.need_pages = sc.budget_pages(s, ctx)
+    sc.add(list(seqs))
+
+
+def launch_prefill(sc, decode_waiting=False):
+    batch = sc.plan_prefill(decode_waiting)
+    sc.start_prefill(batch)
+    for s in batch:
+        s.pending_ready = True   # the device sampled its first token
+    return batch
+
+
+def decode(sc):
+    rows = sc.eligible()
+    index = sc.grow(rows)
+    sc.start_decode(rows)
+    for s in rows:
+        s.pending_ready = True
+    return rows, index
+
+
+def test_admission_by_pages_in_arrival_order():
+    sc = scheduler(pages=9)                      # 8 usable pages of 4 positions
+    a, b, c = seq(10, budget=6), seq(10, budget=6), seq(2, budget=2)
+    admit(sc, a, b, c)
+    assert [s.need_pages for s in (a, b, c)] == [4, 4, 1]
+    assert launch_prefill(sc) == [a, b]          # 8 pages: c must wait behind b...
+    assert sc.alloc.available() == 0 and list(sc.waiting) == [c]
+    assert [len(s.pages) for s in (a, b)] == [3, 3]   # the prompt's pages, assigned now
+    assert sc.plan_prefill(False) == []          # ...and keeps waiting while nothing frees
+    for s in (a, b):
+        sc.commit([s], [0], [(0.0, 0.0)], 0.0)   # EOS: finalized and released at once
+    assert sc.alloc.in_use() == 0 and sc.alloc.reserved == 0
+    assert launch_prefill(sc) == [c] and c.row == 1   # rows come back lowest first
+    sc.flush_outbox()
+    assert a.handle.result(0) == {"ids": [], "finish_reason": "stop"}
+
+
+def test_a_prefill_never_follows_a_prefill_while_decode_rows_wait():
+    sc = scheduler(pages=33)
+    first, late = seq(4), seq(4)
+    admit(sc, first)
+    launch_prefill(sc)
+    sc.commit([first], [5], [(0, 0)], 0.0)
+    admit(sc, late)
+    assert sc.plan_prefill(decode_waiting=True) == []      # decode goes first
+    rows, index = decode(sc)
+    assert rows == [first] and index == [1]
+    assert sc.plan_prefill(decode_waiting=True) == [late]  # then the new request
+
+
+def test_zombie_rows_are_released_at_the_commit_of_their_last_step():
+    sc = scheduler(pages=33, record_events=True)
+    s = seq(4, budget=10)
+    admit(sc, s)
+    launch_prefill(sc)
+    decode(sc)                         # two steps in flight: the prefill and one decode
+    assert s.inflight_refs == 2 and s.length == 5
+    sc.commit([s], [0], [(0, 0)], 0.0)  # EOS sampled by the prefill: finalized early...
+    assert s.finalized and s in sc.running and s.row == 1   # ...still in flight: a zombie
+    sc.flush_outbox()
+    assert s.handle.done()             # its result already went out
+    assert sc.eligible() == []         # never launched again
+    sc.commit([s], [7], [(0, 0)], 0.0)  # the zombie's step: discarded, row released
+    assert s not in sc.running and sc.free_rows[-1] == 1 and sc.alloc.in_use() == 0
+    assert [e[0] for e in sc.events] == ["acquire", "finalize", "release"]
+    assert s.handle.result(0)["ids"] == []
+
+
+def test_pages_are_assigned_lazily_at_page_boundaries():
+    sc = scheduler(pages=33)
+    s = seq(3, budget=8)               # positions 0..10: 3 pages of 4, reserved up front
+    admit(sc, s)
+    launch_prefill(sc)
+    assert len(s.pages) == 1 and s.reserved == 2
+    for step in range(5):
+        sc.commit([s], [5], [(0, 0)], 0.0)
+        decode(sc)                     # writes positions 3, 4, 5, 6, 7
+    assert len(s.pages) == 2 and s.reserved == 1
+    assert len(set(s.pages)) == 2 and 0 not in s.pages
+
+
+def test_cancel_waiting_and_running():
+    sc = scheduler(pages=33)
+    run, wait = seq(4, budget=10), seq(4)
+    admit(sc, run)
+    launch_prefill(sc)
+    admit(sc, wait)
+    wait.handle.cancel()
+    run.handle.cancel()
+    sc.settle_cancels()
+    assert wait.handle.result(0)["finish_reason"] == "cancelled" and not sc.waiting
+    assert not run.finalized            # its prefill is in flight: finalized at its commit
+    sc.commit([run], [5], [(0, 0)], 0.0)
+    assert run.finalized and run not in sc.running
+    sc.flush_outbox()
+    assert run.handle.result(0) == {"ids": [5], "finish_reason": "cancelled"}
+    assert sc.alloc.in_use() == 0
+
+
+def test_prefix_cache_hit_miss_and_pins():
+    sc = scheduler(pages=17, prefix_len=8)   # a prefix takes 2 pages
+    img = FakeImage(b"k")
+    a = seq(10, image=img, prefix=8)
+    admit(sc, a)
+    (planned,) = launch_prefill(sc)
+    kind, entry = planned.source
+    assert kind == "miss" and entry is not None and len(entry.pages) == 2
+    assert set(entry.pages).isdisjoint(a.pages)      # its own pages, at the top of the pool
+    sc.commit([a], [0], [(0, 0)], 0.0)
+    b = seq(10, image=FakeImage(b"k"), prefix=8)
+    admit(sc, b)
+    (planned,) = launch_prefill(sc)
+    assert planned.source == ("hit", entry)
+    # A pinned entry survives pressure; an unpinned one is evicted for a new request.
+    sc.commit([b], [0], [(0, 0)], 0.0)
+    sc.cache.pin(b"k")
+    big = seq(4 * 14 - 1, budget=1)                  # 14 pages: every one not pinned
+    admit(sc, big)
+    assert launch_prefill(sc) == [big] and b"k" in sc.cache.entries
+    sc.commit([big], [0], [(0, 0)], 0.0)
+    sc.cache.unpin(b"k")
+    admit(sc, seq(4 * 15 - 1, budget=1))             # 15 pages: now it must go
+    assert len(launch_prefill(sc)) == 1 and b"k" not in sc.cache.entries
+    assert sc.cache.evictions == 1
+
+
+def test_a_request_blocked_by_pins_fails_alone():
+    sc = scheduler(pages=9, prefix_len=8)
+    sc.cache.insert(b"pinned", 6, (1, 1), pin=True)
+    blocked, small = seq(4 * 5, budget=1), seq(2, budget=1)
+    admit(sc, blocked, small)
+    assert launch_prefill(sc) == []          # arrival order: small waits behind blocked
+    sc.check_stuck(idle=True)
+    with pytest.raises(RequestError, match="pinned by EncodedImage"):
+        blocked.handle.result(0)
+    assert launch_prefill(sc) == [small]
+
+
+def test_an_evicted_skipped_crop_is_prepared_again():
+    again = []
+    sc = scheduler(pages=17, reprepare=again.append)
+    s = seq(10, image=FakeImage(b"gone", has_crops=False), prefix=8)
+    admit(sc, s)
+    assert launch_prefill(sc) == [] and again == [s] and not s.ready
+
+
+def test_fail_all_returns_every_page():
+    sc = scheduler(pages=33)
+    a, b = seq(4), seq(4)
+    admit(sc, a)
+    launch_prefill(sc)
+    admit(sc, b)
+    sc.fail_all(RuntimeError("device lost"))
+    for s in (a, b):
+        with pytest.raises(Exception, match="device lost"):
+            s.handle.result(0)
+    assert sc.alloc.in_use() == 0 and sc.alloc.reserved == 0 and sc.drained()
