@@ -209,25 +209,23 @@ def device_state(model, batch: int, steps: int, page_size: int = 64,
     import jax
     import numpy as np
 
-    from photon_jax import constraints, kvpool, step as step_mod
+    from photon_jax import constraints, step as step_mod
 
     cfg = model.cfg
     plan = memory_plan(model, batch, page_size)
     metas, pages, n_arenas = decode_metas(model, batch, start(model, prompt_tokens), steps,
                                           plan)
-    pool = kvpool.init_pool(cfg.text, plan.arenas.sizes[:n_arenas], page_size, cfg.dtype)
-    slot = step_mod.init_slot(cfg, batch)
-    pending = step_mod.init_pending(batch + 1)
-    tables = step_mod.Tables(**jax.device_put(
-        constraints.tables(cfg.tokenizer, cfg.text.vocab_size)))
+    dev = step_mod.DeviceState.init(cfg, arena_sizes=plan.arenas.sizes[:n_arenas],
+                                    page_size=page_size, max_batch_size=batch,
+                                    device=jax.devices()[0])
     samp = np.zeros((step_mod.S_ALLOW + 1, batch), np.int32)
     samp[step_mod.S_ROW] = np.arange(1, batch + 1)
     samp[step_mod.S_CONSTRAINT] = constraints.BAN_ANSWER
     samp[step_mod.S_INDEX] = 1
     samp[step_mod.S_TOP_P] = np.ones(batch, np.float32).view(np.int32)
     samp[step_mod.S_ALLOW] = -1
-    return {"pool": pool, "slot": slot, "pending": pending, "tables": tables,
-            "metas": metas, "pages": pages, "samp": samp, "plan": plan, "n_arenas": n_arenas}
+    return {"pool": dev.pool, "slot": dev.slots[0], "pending": dev.pending,
+            "tables": dev.tables, "metas": metas, "pages": pages, "samp": samp, "plan": plan, "n_arenas": n_arenas}
 
 
 # -- bytes: XLA's cost analysis of a decode step, next to its floor -------------------------
@@ -243,7 +241,7 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     import jax.numpy as jnp
     import numpy as np
 
-    from photon_jax import kvpool, memory, step as step_mod
+    from photon_jax import memory, step as step_mod
     from photon_jax.params import abstract_params
     from photon_jax.text import unstack_layers
 
@@ -262,11 +260,10 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     m.cfg = cfg
     metas, pages, n_arenas = decode_metas(m, batch, position, 1, plan)
     params = jax.eval_shape(unstack_layers, abstract_params(cfg))   # as a loaded model
-    pool = kvpool.abstract_pool(cfg.text, plan.arenas.sizes[:n_arenas], page_size, cfg.dtype)
-    slot = jax.eval_shape(lambda: step_mod.init_slot(cfg, batch))
-    pending = jax.eval_shape(lambda: step_mod.init_pending(batch + 1))
+    dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes[:n_arenas],
+                                        page_size=page_size, max_batch_size=batch)
     prog = step_mod.build(cfg, attention).forward
-    compiled = prog.lower(params, pool, slot, pending,
+    compiled = prog.lower(params, dev.pool, dev.slots[0], dev.pending,
                           jax.ShapeDtypeStruct(metas[0].shape, jnp.int32),
                           jax.ShapeDtypeStruct(pages[0].shape, jnp.int32)).compile()
     ca = compiled.cost_analysis()

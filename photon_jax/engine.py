@@ -44,7 +44,6 @@ import numpy as np
 
 from . import constraints, frontend, hostsync, memory, skills, step as step_mod
 from .frontend import EncodedImage, ImagePrefix, PreparedImage
-from .kvpool import init_pool
 from .meta import pack_decode, pack_prefill
 from .model import Model
 from .pages import pages_for
@@ -110,16 +109,9 @@ class Engine:
             cfg, max_context=ctx, weights_loaded=True)
         self.page_size, self.arenas = page_size, self.plan.arenas
         self.max_pages = pages_for(ctx, page_size)   # a row's page table
-        rows = max_batch_size + 1   # row 0 is the dummy row padding points at
-        # Every buffer committed to the device, as the programs' outputs are: a program
-        # first called with uncommitted arrays compiles again for the committed ones.
-        with jax.default_device(self.device):
-            self.pool, self.slots, self.pending = jax.device_put(
-                (init_pool(cfg.text, self.arenas.sizes, page_size, cfg.dtype),
-                 [step_mod.init_slot(cfg, max_batch_size) for _ in range(2)],
-                 step_mod.init_pending(rows)), self.device)
-            self.tables = step_mod.Tables(**jax.device_put(
-                constraints.tables(cfg.tokenizer, cfg.text.vocab_size), self.device))
+        self.dev = step_mod.DeviceState.init(cfg, arena_sizes=self.arenas.sizes,
+                                             page_size=page_size,
+                                             max_batch_size=max_batch_size, device=self.device)
         self.sched = Scheduler(rows=max_batch_size, max_batch_size=max_batch_size,
                                n_pages=self.arenas.n_pages, page_size=page_size,
                                prefix_len=cfg.prefix_len, prefill_tokens=prefill_tokens,
@@ -160,8 +152,7 @@ class Engine:
                 "pages_in_sequences": a.in_use() - c.pages(),
                 "pages_in_prefix_cache": c.pages(),
                 "arenas": list(self.arenas.sizes),
-                "slots": int(sum(x.nbytes for s in self.slots for x in jax.tree.leaves(s))),
-                "pending": int(sum(x.nbytes for x in jax.tree.leaves(self.pending))),
+                "slots": self.dev.nbytes()["slots"], "pending": self.dev.nbytes()["pending"],
                 "weights": self.plan.weights}
 
     def stats(self) -> dict:
@@ -284,7 +275,7 @@ class Engine:
             raise EngineError(f"the scheduler did not stop within {timeout} s")
         self._pool.shutdown(wait=True)
         self.sched.cache.clear()
-        for leaf in jax.tree.leaves((self.pool, self.slots, self.pending, self.tables)):
+        for leaf in jax.tree.leaves(self.dev):
             if not leaf.is_deleted():
                 leaf.delete()
 
@@ -318,14 +309,16 @@ class Engine:
             for n in range(1, self.arenas_count + 1):
                 pages = np.zeros((2, self.arenas.pages_in(n)), _I32)
                 pages[0] = rb
-                part, self.slots[0] = P.forward(params, self.pool.arenas(n), self.slots[0],
-                                                self.pending, meta,
+                dev = self.dev
+                part, dev.slots[0] = P.forward(params, dev.pool.arenas(n), dev.slots[0],
+                                               dev.pending, meta,
                                                 jax.device_put(pages, self.device))
-                self.pool = self.pool.merge(part)
+                dev.pool = dev.pool.merge(part)
             for sampler in P.sample_step.values():
-                self.slots[0], self.pending = sampler(params, self.slots[0], self.pending,
-                                                      self.tables, samp)
-        jax.block_until_ready(self.pending)
+                dev = self.dev
+                dev.slots[0], dev.pending = sampler(params, dev.slots[0], dev.pending,
+                                                    dev.tables, samp)
+        jax.block_until_ready(self.dev.pending)
 
     def _compile_prefill_shapes(self) -> None:
         """Compile the prompt prefill for every prefill row bucket, prompts of up to 32
@@ -343,17 +336,18 @@ class Engine:
                     pre, write, table = pack_prefill([], [], [], [], [], rb, tb, kv_len,
                                                      self.page_size)
                     z = np.zeros((rb, tb), _I32)
-                    self.pool, self.slots[1] = P.prefill_slot(
-                        params, self.pool, self.slots[1], put(z), put(z),
+                    dev = self.dev
+                    dev.pool, dev.slots[1] = P.prefill_slot(
+                        params, dev.pool, dev.slots[1], put(z), put(z),
                         put(np.zeros((rb, tb, 2), np.float32)), put(pre), put(write),
                         put(table))
         zero = [0] * self.prefix_pages
-        self.pool = P.copy_pages(self.pool, put(np.asarray(zero, _I32)),
+        self.dev.pool = P.copy_pages(self.dev.pool, put(np.asarray(zero, _I32)),
                                  put(np.asarray(zero, _I32)))
         for hw in ((768, 1024), (1024, 768), (1024, 1024)):
             prep = frontend.prepare_image(self.model, np.full((*hw, 3), 128, np.uint8))
             self._write_prefix(frontend.encode_prepared(self.model, prep), zero)
-        jax.block_until_ready(self.pool)
+        jax.block_until_ready(self.dev.pool)
 
     @property
     def arenas_count(self) -> int:
@@ -452,8 +446,8 @@ class Engine:
     def _write_prefix(self, enc: ImagePrefix, pages: list[int]) -> None:
         page_s, off_s = self._prefix_slots(pages)
         put = lambda a: jax.device_put(a, self.device)  # noqa: E731
-        self.pool = self.programs.write_prefix_pages(self.pool, enc.k, enc.v, put(page_s),
-                                                     put(off_s))
+        self.dev.pool = self.programs.write_prefix_pages(self.dev.pool, enc.k, enc.v,
+                                                         put(page_s), put(off_s))
 
     def _launch_prefill(self, batch: list[Seq], slot: int) -> None:
         t0 = time.perf_counter()
@@ -486,8 +480,9 @@ class Engine:
                 if src is not None and src[0] == "hit":
                     self.sched.cache.count_hit()
                     dst = s.pages[:self.prefix_pages]
-                    self.pool = P.copy_pages(self.pool, put(np.asarray(src[1].pages, _I32)),
-                                             put(np.asarray(dst, _I32)))
+                    self.dev.pool = P.copy_pages(self.dev.pool,
+                                                 put(np.asarray(src[1].pages, _I32)),
+                                                 put(np.asarray(dst, _I32)))
                 elif isinstance(img, ImagePrefix):
                     self._write_prefix(img, s.pages)
                 elif src is not None:   # a miss: encode, into its pages and the new entry's
@@ -498,9 +493,10 @@ class Engine:
                         self._write_prefix(enc, src[1].pages)
                 s.image = s.source = None   # the prefix now lives in its pages
             meta_d = put(pre)
-            self.pool, self.slots[slot] = P.prefill_slot(params, self.pool, self.slots[slot],
-                                                         put(kinds), put(ids), put(values),
-                                                         meta_d, put(write), put(table))
+            dev = self.dev
+            dev.pool, dev.slots[slot] = P.prefill_slot(params, dev.pool, dev.slots[slot],
+                                                       put(kinds), put(ids), put(values),
+                                                       meta_d, put(write), put(table))
         st = _Step("prefill", slot, batch, [0] * n, meta_d)
         st.t0, st.t_launch = t0, time.perf_counter() - t0
         self.pipe.on_launch(st)
@@ -515,10 +511,11 @@ class Engine:
                                             self.page_size, self.arenas)
         with hostsync.sync_free():
             meta_d = jax.device_put(meta, self.device)
-            part, self.slots[slot] = self.programs.forward(
-                self.model.params, self.pool.arenas(n_arenas), self.slots[slot], self.pending,
+            dev = self.dev
+            part, dev.slots[slot] = self.programs.forward(
+                self.model.params, dev.pool.arenas(n_arenas), dev.slots[slot], dev.pending,
                 meta_d, jax.device_put(pages, self.device))
-            self.pool = self.pool.merge(part)
+            dev.pool = dev.pool.merge(part)
         self.sched.start_decode(rows)
         st = _Step("decode", slot, rows, index, meta_d)
         st.t0, st.t_launch = t0, time.perf_counter() - t0
@@ -565,9 +562,10 @@ class Engine:
             samp[step_mod.S_CONSTRAINT, :len(st.seqs)], constraints.REGION).any()))
         with hostsync.sync_free():
             samp_d = jax.device_put(samp, self.device)
-            self.slots[st.slot], self.pending = sampler(
-                self.model.params, self.slots[st.slot], self.pending, self.tables, samp_d)
-            st.out = self.slots[st.slot].out
+            dev = self.dev
+            dev.slots[st.slot], dev.pending = sampler(
+                self.model.params, dev.slots[st.slot], dev.pending, dev.tables, samp_d)
+            st.out = self.dev.slots[st.slot].out
             st.out.copy_to_host_async()
         for s in st.seqs:
             s.pending_ready = True

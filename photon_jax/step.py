@@ -74,14 +74,14 @@ class Tables:
     size_kind: jax.Array   # [M] bool: a sampled size id carries a (w, h) value
 
 
-@flax.struct.dataclass
+@dataclass
 class DeviceState:
     """Everything an engine keeps on its device between steps: the KV pool, the two slots,
     the pending inputs (one row per decode row + the dummy row 0) and the constraint table.
-    A pytree; the engine replaces it field by field as the programs return new buffers
-    (each donated into the call that writes it)."""
+    A pytree (registered below), and mutable: the engine's scheduler thread replaces each
+    field as a program returns its new buffers (the old ones were donated into the call)."""
     pool: KVPool
-    slots: tuple          # (Slot, Slot): the ping-pong step buffers
+    slots: list           # [Slot, Slot]: the ping-pong step buffers
     pending: Pending
     tables: Tables
 
@@ -104,21 +104,20 @@ class DeviceState:
     @classmethod
     def _build(cls, cfg, arena_sizes, page_size, max_batch_size):
         return cls(kvpool.init_pool(cfg.text, tuple(arena_sizes), page_size, cfg.dtype),
-                   (init_slot(cfg, max_batch_size), init_slot(cfg, max_batch_size)),
+                   [init_slot(cfg, max_batch_size), init_slot(cfg, max_batch_size)],
                    init_pending(max_batch_size + 1),
                    Tables(**{k: jnp.asarray(v) for k, v in constraints.tables(
                        cfg.tokenizer, cfg.text.vocab_size).items()}))
 
     def nbytes(self) -> dict:
         """Bytes per part: {"pool", "slots", "pending", "tables"}."""
-        size = lambda t: int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t)))  # noqa: E731
-        return {"pool": size(self.pool), "slots": size(self.slots),
-                "pending": size(self.pending), "tables": size(self.tables)}
+        return {name: int(sum(x.size * x.dtype.itemsize
+                              for x in jax.tree.leaves(getattr(self, name))))
+                for name in ("pool", "slots", "pending", "tables")}
 
-    def with_slot(self, i: int, slot: Slot) -> "DeviceState":
-        slots = list(self.slots)
-        slots[i] = slot
-        return self.replace(slots=tuple(slots))
+
+jax.tree_util.register_dataclass(DeviceState, data_fields=["pool", "slots", "pending", "tables"],
+                                 meta_fields=[])
 
 
 def init_slot(cfg: MoondreamConfig, rows: int) -> Slot:

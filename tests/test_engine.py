@@ -104,7 +104,8 @@ def test_pipelined_equals_blocking_equals_reference(model, encoded, seed):
         finally:
             eng.close()
         assert eng.sched.running == [] and sorted(eng.sched.free_rows) == [1, 2, 3]
-        assert (eng.sched.alloc.in_use(), eng.sched.alloc.reserved) == (0, 0)   # every page came back
+        alloc = eng.sched.alloc
+        assert (alloc.in_use(), alloc.reserved) == (0, 0)   # every page came back
     finishes = set()
     for i, ((req, want), got_p, got_b) in enumerate(zip(items, outs[True], outs[False])):
         for got in (got_p, got_b):
@@ -218,7 +219,7 @@ def test_no_host_sync_in_launch_and_finalize(model, encoded):
 def test_donated_buffers_are_consumed(model, encoded):
     eng = Engine(model, max_batch_size=2)
     try:
-        pool, slots, pending = eng.pool, list(eng.slots), eng.pending
+        pool, slots, pending = eng.dev.pool, list(eng.dev.slots), eng.dev.pending
         eng.submit(Request("text", model.prompts.caption("short"), encoded[0],
                            Settings(max_tokens=4))).result(timeout=120)
         # The arenas a decode step read (the first one at least) were donated and replaced.
@@ -226,7 +227,7 @@ def test_donated_buffers_are_consumed(model, encoded):
                     *jax.tree.leaves(slots)):
             assert arr.is_deleted()
         mem = eng.memory()
-        assert mem["kv_pool"] == eng.pool.nbytes > 0 and mem["slots"] > 0
+        assert mem["kv_pool"] == eng.dev.pool.nbytes > 0 and mem["slots"] > 0
     finally:
         eng.close()
 

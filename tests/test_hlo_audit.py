@@ -62,19 +62,20 @@ def test_decode_path_programs_are_sync_free(make_cfg):
         tables = [list(range(1, 13)), list(range(13, 26))]
         meta, pages, n = M.pack_decode([1, 2], [740, 790], tables, 2, eng.max_pages, 64,
                                        eng.arenas)
-        texts["forward"] = P.forward.lower(model.params, eng.pool.arenas(n), eng.slots[0],
-                                           eng.pending, meta, pages).compile().as_text()
+        dev = eng.dev
+        texts["forward"] = P.forward.lower(model.params, dev.pool.arenas(n), dev.slots[0],
+                                           dev.pending, meta, pages).compile().as_text()
         samp = np.zeros((7, 2), np.int32)
         for (stochastic, region), prog in P.sample_step.items():
             texts[f"sample{stochastic, region}"] = prog.lower(
-                model.params, eng.slots[0], eng.pending, eng.tables, samp).compile().as_text()
+                model.params, dev.slots[0], dev.pending, dev.tables, samp).compile().as_text()
         # Prefill of a prompt after an image prefix, the image prefix itself, and its pages.
         pre, write, table = M.pack_prefill([1], [730], [730], [5], [tables[0]], 1, 16, 768,
                                            64)
         ids = np.zeros((1, 16), np.int32)
         vals = np.zeros((1, 16, 2), np.float32)
         texts["prefill_slot"] = P.prefill_slot.lower(
-            model.params, eng.pool, eng.slots[0], ids, ids, vals, pre, write,
+            model.params, dev.pool, dev.slots[0], ids, ids, vals, pre, write,
             table).compile().as_text()
         prep = prepare_image(model, os.path.join(FIXTURE_DIR, "img_sq378.png"))
         texts["image_kv"] = P.image_kv.lower(model.params, prep.crops, prep.src, prep.ph,
@@ -83,11 +84,11 @@ def test_decode_path_programs_are_sync_free(make_cfg):
                                   cfg.text.head_dim), np.float32)
         s = np.zeros(730, np.int32)
         texts["write_prefix_pages"] = P.write_prefix_pages.lower(
-            eng.pool, k, k, s, s).compile().as_text()
-        texts["copy_pages"] = P.copy_pages.lower(eng.pool, s[:12], s[:12]).compile().as_text()
+            dev.pool, k, k, s, s).compile().as_text()
+        texts["copy_pages"] = P.copy_pages.lower(dev.pool, s[:12], s[:12]).compile().as_text()
         metas = np.stack([meta] * 3)
-        texts["ceiling"] = P.ceiling.lower(model.params, eng.pool.arenas(n), eng.slots[0],
-                                           eng.pending, eng.tables, metas,
+        texts["ceiling"] = P.ceiling.lower(model.params, dev.pool.arenas(n), dev.slots[0],
+                                           dev.pending, dev.tables, metas,
                                            np.stack([pages] * 3), samp).compile().as_text()
     finally:
         eng.close()
