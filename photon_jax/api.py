@@ -58,6 +58,11 @@ class BatchError(RuntimeError):
 
 
 class Moondream:
+    """A loaded Moondream model with its running engine: Moondream's own API (`caption`,
+    `query`, `detect`, `point`, `segment`, `encode_image`) on one image or a list, with
+    streaming, `return_metrics` and a context manager that closes the engine.  Make one with
+    `Moondream.load`; methods are safe to call from several threads."""
+
     def __init__(self, model: Model, engine: Engine):
         self._model, self._engine = model, engine
 
@@ -128,10 +133,12 @@ class Moondream:
 
     @property
     def config(self) -> "MoondreamConfig":
+        """The model's configuration (shapes, tokenizer ids, dtype)."""
         return self._m.cfg
 
     @property
     def engine(self) -> Engine:
+        """The engine serving this model (`memory()`, `stats()`, `step_log()`)."""
         self._m
         return self._engine
 

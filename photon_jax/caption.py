@@ -45,6 +45,7 @@ class UsageError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Item:
+    """One input image: where it was found, its resume key, and the input root."""
     path: str   # as found (relative inputs stay relative); the JSONL's "path"
     key: str    # absolute, normalised: the identity used to resume
     root: str   # the input it came from; --output-dir mirrors paths relative to it
@@ -53,6 +54,7 @@ class Item:
 # -- inputs -------------------------------------------------------------------------------
 
 def is_image_name(name: str) -> bool:
+    """-> True for a file name with an image extension (IMAGE_EXTS, any case)."""
     return os.path.splitext(name)[1].lower() in IMAGE_EXTS
 
 
@@ -138,6 +140,7 @@ def sidecar_path(item: Item, output_dir: str | None, ext: str = ".txt") -> str:
 
 
 def check_collisions(items: list[Item], sidecars: list[str]) -> None:
+    """Raise UsageError if two images would write the same sidecar file."""
     owner: dict[str, str] = {}
     clashes = []
     for it, sc in zip(items, sidecars):
@@ -238,11 +241,14 @@ def outcome(handle, prepend: str = "", append: str = "") -> dict:
 
 
 def failure(e: BaseException) -> dict:
+    """-> the record of a failed image: {"caption": None, "finish_reason": None,
+    "output_tokens": 0, "error": the message}."""
     return {"caption": None, "finish_reason": None, "output_tokens": 0,
             "error": str(e) or type(e).__name__}
 
 
 def request_settings(args) -> dict:
+    """-> the Moondream settings dict of the parsed command line."""
     s = {"max_tokens": args.max_tokens, "temperature": args.temperature,
          "top_p": args.top_p, "seed": args.seed}
     if args.repeat_stop:
@@ -253,6 +259,7 @@ def request_settings(args) -> dict:
 # -- the run ------------------------------------------------------------------------------
 
 def parse_devices(spec: str):
+    """`--devices` ("all" or comma-separated indices) -> a list of local JAX devices."""
     import jax
 
     devs = jax.local_devices()
@@ -398,6 +405,8 @@ class Run:
 
 
 def run(args) -> Summary:
+    """Caption every input of the parsed command line -> the run's Summary (counts, times,
+    images/s).  Raises UsageError for bad arguments or inputs before loading a model."""
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -496,6 +505,7 @@ def _done(it: Item, sidecar: str | None, jsonl, recorded: set[str]) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """-> photon-caption's argument parser."""
     ap = argparse.ArgumentParser(
         prog="photon-caption",
         description="Caption (or ask one question about) every image of a dataset with a "
@@ -576,6 +586,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """photon-caption's entry point -> the exit code (0 done, 1 some images failed, 2 bad
+    usage or model, 130 interrupted)."""
     args = build_parser().parse_intermixed_args(argv)
     # SIGTERM (a plain `kill`, a scheduler's preemption) stops like Ctrl-C: completed images
     # are written, the run says what is left.

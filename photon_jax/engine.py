@@ -81,6 +81,11 @@ class _Step:
 
 
 class Engine:
+    """The runner of one model on one device: a scheduler thread that packs the scheduler's
+    decisions into arrays, dispatches the device programs and commits their results (see
+    the module docstring).  `submit` / `submit_many` / `encode` from any thread; `close()`
+    drains and frees the device buffers."""
+
     def __init__(self, model: Model, *, max_batch_size: int = 32, max_context: int | None = None,
                  kv_cache_tokens: int | None = None, page_size: int = 64,
                  prefix_cache: bool = True, pipelined: bool = True,
@@ -351,6 +356,7 @@ class Engine:
 
     @property
     def arenas_count(self) -> int:
+        """-> the number of pool arenas (decode compiles one program per count it reads)."""
         return len(self.arenas.sizes)
 
     def _loop(self) -> None:

@@ -35,6 +35,7 @@ class ImagePrefix:
 
     @property
     def pos(self) -> int:
+        """-> positions of the prefix (BOS + image tokens)."""
         return self.k.shape[1]
 
 
@@ -51,6 +52,7 @@ class PreparedImage:
 
     @property
     def has_crops(self) -> bool:
+        """-> False when the crops were skipped (the prefix was cached when prepared)."""
         return self.crops is not None
 
 
@@ -99,6 +101,7 @@ class EncodedImage:
 
     @property
     def released(self) -> bool:
+        """-> True once `release()` unpinned the prefix (it may then be evicted)."""
         return self._released
 
     def release(self) -> None:

@@ -76,6 +76,7 @@ class Handle:
         self._prefix_hit: bool | None = None
 
     def done(self) -> bool:
+        """-> True once the request finished (result, error or cancellation)."""
         return self._done.is_set()
 
     def metrics(self) -> dict:
@@ -99,6 +100,11 @@ class Handle:
                 "time_to_first_token_s": ttft, "decode_tokens_per_s": rate}
 
     def result(self, timeout: float | None = None):
+        """Wait for the request -> the skill's result: text {"text", "ids", "finish_reason",
+        "output_tokens"[, "reasoning"]}; detect / point {"objects", "finish_reason",
+        "output_tokens"}; segment {"path", "bbox", "ids", "finish_reason", "output_tokens"};
+        an encode job its `EncodedImage` (`Moondream` reshapes these into Moondream's
+        results).  Raises the request's error, or TimeoutError after `timeout` seconds."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"request not finished after {timeout} s")
         if self._error is not None:

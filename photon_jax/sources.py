@@ -114,16 +114,19 @@ def hf_hub_cache() -> str:
 
 
 def hf_offline() -> bool:
+    """-> True when HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set to a true value."""
     return any(os.environ.get(k, "").strip().upper() in ("1", "ON", "YES", "TRUE")
                for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def is_photon_checkpoint(path: str) -> bool:
+    """-> True for a directory written by photon-convert (config.json + params/)."""
     return (os.path.isdir(os.path.join(path, "params"))
             and os.path.isfile(os.path.join(path, "config.json")))
 
 
 def looks_like_hub_id(s: str) -> bool:
+    """-> True for an "org/name" string that could be a Hugging Face repository id."""
     return bool(_HUB_ID.fullmatch(s)) and ".." not in s
 
 
@@ -340,6 +343,8 @@ def _weights(snapshot: str):
 
 
 def storage_dtype(dtype, tensors) -> str:
+    """-> the dtype a converted snapshot is stored in: the one asked for, else bfloat16 for
+    bf16 weights and float32 for float16 / float32 ones."""
     if dtype is not None:
         from .dtypes import canonical
 
@@ -353,6 +358,8 @@ def storage_dtype(dtype, tensors) -> str:
 
 
 def cache_key(snapshot: str, files: list[str], tokenizer: str, dtype: str) -> str:
+    """-> the converted-cache entry name of a snapshot: a sha256 over its files' contents,
+    the tokenizer's, the dtype and the converter and format versions."""
     from .config import FORMAT_VERSION
     from .convert.convert import CONVERTER_VERSION
 

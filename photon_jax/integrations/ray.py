@@ -96,6 +96,7 @@ class Captioner:
         return out
 
     def close(self) -> None:
+        """Finish the actor's requests and free its engine."""
         self.md.close()
 
 
