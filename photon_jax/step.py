@@ -131,11 +131,13 @@ def init_pending(rows: int) -> Pending:
                    jnp.zeros((rows, 2), F32))
 
 
-def input_embeddings(params, cfg: MoondreamConfig, kind, token, value):
+def input_embeddings(params, cfg: MoondreamConfig, kind, token, value, rows: bool = False):
     """[..., D] embeddings of inputs: a token, a coordinate, or a (w, h) size each (any
-    leading shape: decode rows, or prompt positions with spatial refs)."""
+    leading shape: decode rows, or prompt positions with spatial refs).  `rows`: one token
+    per row, [R] (a decode step: `text.embed_rows`)."""
     dt = jnp_dtype(cfg.dtype)
-    tok = text.embed_tokens(params["text"], token).astype(dt)
+    embed = text.embed_rows if rows else text.embed_tokens
+    tok = embed(params["text"], token).astype(dt)
     coord = region.encode_coordinate(params["region"], value[..., 0], dt)
     size = region.encode_size(params["region"], value, dt)
     k = kind[..., None]
@@ -190,7 +192,7 @@ def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_
     the pending buffers by row (never through the host), logits and hidden into the slot."""
     rows = meta_FR[M_ROW]
     x = input_embeddings(params, cfg, pending.kind[rows], pending.token[rows],
-                         pending.value[rows])[:, None]
+                         pending.value[rows], rows=True)[:, None]
     hidden, pool, _ = text.forward(params["text"], cfg.text, x, meta_FR[M_POS][:, None], pool,
                                    decode_access(meta_FR, pages_2P, attention=attention),
                                    grouped)
