@@ -106,7 +106,8 @@ def _to_target(arr: np.ndarray, tgt: Target, transposed: bool, dt: np.dtype) -> 
     return arr.astype(dt)
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
+    """sha256 hex digest of a file's bytes, read in 16 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 24), b""):
@@ -212,9 +213,9 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", tokenizer: st
             "converter_version": CONVERTER_VERSION,
             "dtype": dtype,
             "source_dir": os.path.abspath(hf_dir),
-            "source_sha256": {os.path.basename(p): _sha256(p)
+            "source_sha256": {os.path.basename(p): sha256_file(p)
                               for p in [*files, *index_files, cfg_path]},
-            "tokenizer_sha256": _sha256(tok_path),
+            "tokenizer_sha256": sha256_file(tok_path),
             "n_tensors": len(work),
             "n_params": int(sum(a.size for a in jax.tree.leaves(tree))),
         }

@@ -117,12 +117,11 @@ class Engine:
         self.dev = step_mod.DeviceState.init(cfg, arena_sizes=self.arenas.sizes,
                                              page_size=page_size,
                                              max_batch_size=max_batch_size, device=self.device)
-        self.sched = Scheduler(rows=max_batch_size, max_batch_size=max_batch_size,
-                               n_pages=self.arenas.n_pages, page_size=page_size,
-                               prefix_len=cfg.prefix_len, prefill_tokens=prefill_tokens,
-                               prefix_cache=prefix_cache, reprepare=self._reprepare,
+        self.sched = Scheduler(max_batch_size=max_batch_size, n_pages=self.arenas.n_pages,
+                               page_size=page_size, prefix_len=cfg.prefix_len,
+                               prefill_tokens=prefill_tokens, prefix_cache=prefix_cache,
+                               reprepare=self._reprepare,
                                record_events=record_events)
-        self.prefix_pages = self.sched.prefix_pages
         self.pipe = PipelineState()
         self.steps_log: collections.deque[StepRecord] = collections.deque(maxlen=log_steps)
         self.counters = collections.Counter()
@@ -346,7 +345,7 @@ class Engine:
                         params, dev.pool, dev.slots[1], put(z), put(z),
                         put(np.zeros((rb, tb, 2), np.float32)), put(pre), put(write),
                         put(table))
-        zero = [0] * self.prefix_pages
+        zero = [0] * self.sched.prefix_pages
         self.dev.pool = P.copy_pages(self.dev.pool, put(np.asarray(zero, _I32)),
                                  put(np.asarray(zero, _I32)))
         for hw in ((768, 1024), (1024, 768), (1024, 1024)):
@@ -485,7 +484,7 @@ class Engine:
                     s.handle._prefix_hit = src[0] == "hit"
                 if src is not None and src[0] == "hit":
                     self.sched.cache.count_hit()
-                    dst = s.pages[:self.prefix_pages]
+                    dst = s.pages[:self.sched.prefix_pages]
                     self.dev.pool = P.copy_pages(self.dev.pool,
                                                  put(np.asarray(src[1].pages, _I32)),
                                                  put(np.asarray(dst, _I32)))

@@ -55,10 +55,16 @@ def weight_bytes(cfg: MoondreamConfig, dtype=None) -> int:
 
 
 def slot_bytes(cfg: MoondreamConfig, max_batch_size: int, dtype=None) -> int:
-    """Two slots (logits f32, hidden, sampled ids/values) and the pending buffers."""
-    dt = jnp_dtype(dtype or cfg.dtype).itemsize
-    one = max_batch_size * (cfg.text.vocab_size * 4 + cfg.text.dim * dt + 3 * 4)
-    return 2 * one + (max_batch_size + 1) * 4 * 4
+    """The engine's device state besides the pool (`step.DeviceState`): two slots (logits
+    f32, hidden, sampled ids/values), the pending inputs and the constraint table, from
+    abstract shapes."""
+    from .dtypes import canonical
+    from .step import DeviceState
+
+    state = DeviceState.abstract(cfg.with_dtype(canonical(dtype or cfg.dtype)),
+                                 arena_sizes=(1,), page_size=16,
+                                 max_batch_size=max_batch_size).nbytes()
+    return state["slots"] + state["pending"] + state["tables"]
 
 
 def workspace_bytes(cfg: MoondreamConfig, dtype=None) -> int:

@@ -56,13 +56,14 @@ class Seq:
 class Scheduler:
     """Queues, rows, pages and the prefix cache of one engine (see the module docstring).
 
-    rows: decode rows, numbered 1..rows (row 0 is the device's dummy row).  n_pages: pages of
-    the pool (page 0 is the dummy page).  prefix_len: positions of an image prefix.
-    prefill_tokens: prompt positions one prefill launch may take.  reprepare(seq): prepare a
-    request's image again (its crops were skipped on a predicted cache hit that was evicted
-    since); the engine sets `seq.prep` and wakes itself when it is done."""
+    max_batch_size: the rows, numbered 1..max_batch_size (row 0 is the device's dummy row);
+    a step takes at most that many.  n_pages: pages of the pool (page 0 is the dummy page).
+    prefix_len: positions of an image prefix.  prefill_tokens: prompt positions one prefill
+    launch may take.  reprepare(seq): prepare a request's image again (its crops were skipped
+    on a predicted cache hit that was evicted since); the engine sets `seq.prep` and wakes
+    itself when it is done."""
 
-    def __init__(self, *, rows: int, max_batch_size: int, n_pages: int, page_size: int,
+    def __init__(self, *, max_batch_size: int, n_pages: int, page_size: int,
                  prefix_len: int, prefill_tokens: int, prefix_cache: bool = True,
                  reprepare: Callable[[Seq], None] | None = None, record_events: bool = False):
         self.max_batch_size, self.page_size = max_batch_size, page_size
@@ -71,7 +72,7 @@ class Scheduler:
         self.cache = PrefixCache(self.alloc, enabled=prefix_cache)
         self.prefix_pages = pages_for(prefix_len, page_size)
         self.reprepare = reprepare
-        self.free_rows = list(range(rows, 0, -1))   # pop() hands out the lowest row
+        self.free_rows = list(range(max_batch_size, 0, -1))   # pop() hands out the lowest
         self.waiting: collections.deque[Seq] = collections.deque()
         self.encodes: collections.deque[Seq] = collections.deque()
         self.running: list[Seq] = []

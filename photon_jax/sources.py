@@ -296,21 +296,15 @@ def find_tokenizer(snapshot: str) -> tuple[str, str]:
 # -- the cache ----------------------------------------------------------------------------
 
 
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def content_sha256(path: str) -> str:
     """sha256 of a file's bytes; remembered for big files under their real path, size, inode
     and times, so only the first call reads them."""
+    from .convert.convert import sha256_file
+
     real = os.path.realpath(path)
     st = os.stat(real)
     if st.st_size < _MEMO_MIN_BYTES:
-        return _sha256_file(real)
+        return sha256_file(real)
     stamp = f"{real}\0{st.st_size}\0{st.st_ino}\0{st.st_dev}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
     memo = os.path.join(cache_dir(), ".hashes", hashlib.sha256(stamp.encode()).hexdigest()[:40])
     try:
@@ -320,7 +314,7 @@ def content_sha256(path: str) -> str:
             return digest
     except OSError:
         pass
-    digest = _sha256_file(real)
+    digest = sha256_file(real)
     try:   # best effort: without the memo the next load hashes again
         os.makedirs(os.path.dirname(memo), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(memo), prefix=".tmp-")

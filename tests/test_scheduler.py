@@ -60,7 +60,7 @@ def seq(prompt_end, budget=4, image=None, prefix=0):
 
 
 def scheduler(pages=9, rows=4, prefix_len=8, **kw):
-    return Scheduler(rows=rows, max_batch_size=rows, n_pages=pages, page_size=PAGE,
+    return Scheduler(max_batch_size=rows, n_pages=pages, page_size=PAGE,
                      prefix_len=prefix_len, prefill_tokens=1000, **kw)
 
 
@@ -92,7 +92,7 @@ def test_admission_by_pages_in_arrival_order():
     a, b, c = seq(10, budget=6), seq(10, budget=6), seq(2, budget=2)
     admit(sc, a, b, c)
     assert [s.need_pages for s in (a, b, c)] == [4, 4, 1]
-    assert launch_prefill(sc) == [a, b]          # 8 pages: c must wait behind b...
+    assert launch_prefill(sc) == [a, b]          # 8 pages: none left for c...
     assert sc.alloc.available() == 0 and list(sc.waiting) == [c]
     assert [len(s.pages) for s in (a, b)] == [3, 3]   # the prompt's pages, assigned now
     assert sc.plan_prefill(False) == []          # ...and keeps waiting while nothing frees
