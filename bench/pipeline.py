@@ -20,13 +20,14 @@ default mode, where the host's time comes out of XLA's cores) next to the measur
 (`*_step_ms`, `*_model_err`).  bench/README.md explains each term.
 
 Further lines (full run, or the flags):
-  "host_work"  pinned and default, batch 8: both loops with 0, 4, 16, 32 ms of synthetic
+  "host_work"  pinned and default, batch 8 (--aux-batch): both loops with 0, 4, 16, 32 ms of synthetic
                host work per step; the parent writes bench/results/pipeline.json and, with
                matplotlib, bench/results/pipeline_gain.png (gain vs host share);
-  "zombies"    (first mode only) batch 1 and 32, three waves of requests with sampled
+  "zombies"    (first mode only) batch 1 and 32 (--zombie-batches), three waves of requests with sampled
                output lengths (tiny model, EOS calibrated to a mean of about 60 tokens): the
                share of computed rows that belonged to finished sequences;
-  "busy"       the device's busy fraction in each loop, from a `jax.profiler` trace.
+  "busy"       the device's busy fraction in each loop (batch 8, --aux-batch), from a
+               `jax.profiler` trace.
 
 Modes, each in its own subprocess (pinning must happen before JAX starts its threads):
   default  XLA and the host share every core;
@@ -180,14 +181,15 @@ def child(args) -> None:
             emit(measure(model, config, batch, args.steps, args.mode, args.reps))
     if args.host_work:
         model = build_model(args.config[-1])
-        for row in host_work(model, args.config[-1], 8, args.steps, args.mode, args.reps,
-                             args.host_work):
+        for row in host_work(model, args.config[-1], args.aux_batch, args.steps, args.mode,
+                             args.reps, args.host_work):
             emit(row)
     if args.zombies:   # a property of the schedule, not of the model's size: the tiny model
-        for batch in (1, 32):
+        for batch in args.zombie_batches:
             emit(zombies("tiny", batch, args.mode, args.zombie_len))
     if args.busy:
-        emit(busy(build_model(args.config[-1]), args.config[-1], 8, args.steps, args.mode))
+        emit(busy(build_model(args.config[-1]), args.config[-1], args.aux_batch, args.steps,
+                  args.mode))
     if args.md2_bytes:   # compile only, from abstract shapes: nothing of full size exists
         for dtype in ("bfloat16", "float32"):
             cfg = CONFIGS["md2"]().with_dtype(dtype)
@@ -233,7 +235,10 @@ def main(argv=None) -> int:
     ap.add_argument("--zombies", action="store_true", help="zombie tax at batch 1 and 32")
     ap.add_argument("--zombie-len", type=int, default=60,
                     help="mean sampled output length of the zombie-tax requests")
+    ap.add_argument("--zombie-batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--busy", action="store_true", help="busy fraction from a profiler trace")
+    ap.add_argument("--aux-batch", type=int, default=8,
+                    help="the batch of the host-work sweep and the busy fraction")
     ap.add_argument("--md2-bytes", action="store_true",
                     help="bytes accessed by a full-size Moondream 2 decode step at batch 32, "
                     "position 1000 (compiled from abstract shapes)")
@@ -267,8 +272,9 @@ def main(argv=None) -> int:
         if args.host_work:
             cmd += ["--host-work", *map(str, args.host_work)]
         # The zombie tax is a property of the schedule, not of where XLA runs: one mode.
-        cmd += ["--zombies", "--zombie-len", str(args.zombie_len)] * (
-            args.zombies and mode == args.modes[0])
+        cmd += ["--zombies", "--zombie-len", str(args.zombie_len), "--zombie-batches",
+                *map(str, args.zombie_batches)] * (args.zombies and mode == args.modes[0])
+        cmd += ["--aux-batch", str(args.aux_batch)]
         cmd += ["--busy"] * args.busy
         cmd += ["--md2-bytes"] * (args.md2_bytes and mode == args.modes[0])
         r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)

@@ -21,7 +21,7 @@ def test_pipeline_bench_smoke():
     host-work sweep, the zombie counter and the profiler's busy fraction."""
     rows = run("pipeline.py", "--config", "tiny", "--batch", "2", "--steps", "4", "--reps",
                "1", "--modes", "default", "pinned", "--busy", "--host-work", "0", "1",
-               "--zombies", "--zombie-len", "6")
+               "--zombies", "--zombie-len", "6", "--zombie-batches", "1", "2", "--aux-batch", "2")
     loops = [r for r in rows if r["kind"] == "loops"]
     assert [row["mode"] for row in loops] == ["default", "pinned"]
     for row in loops:
@@ -37,7 +37,7 @@ def test_pipeline_bench_smoke():
     work = [r for r in rows if r["kind"] == "host_work"]
     assert [r["host_work_ms"] for r in work] == [0.0, 1.0] * 2
     z = [r for r in rows if r["kind"] == "zombies"]
-    assert [(r["mode"], r["batch"]) for r in z] == [("default", 1), ("default", 32)]
+    assert [(r["mode"], r["batch"]) for r in z] == [("default", 1), ("default", 2)]
     assert all(r["decode_rows"] > 0 for r in z)
 
 
@@ -49,10 +49,10 @@ def test_prefill_bench_smoke():
     assert all(r["images_per_s"] > 0 for r in rows if "images_per_s" in r)
 
 
-def test_gpu_script_runs_on_cpu_at_the_small_config():
-    rows = run("gpu_md2.py", "--config", "small", "--batch", "2", "--steps", "2",
+def test_gpu_script_runs_on_cpu_at_a_small_config():
+    rows = run("gpu_md2.py", "--config", "tiny", "--batch", "2", "--steps", "2",
                "--position", "760")
-    assert [(r["config"], r["batch"]) for r in rows] == [("small", 2), ("small_md3", 2)]
+    assert [(r["config"], r["batch"]) for r in rows] == [("tiny", 2), ("small_md3", 2)]
     for r in rows:
         assert r["ceiling_tok_s"] > 0 and r["bytes_accessed"] > 0 and r["achieved_GBps"] > 0
         assert r["floor_ratio_4.8"] > 0 and r["first_position"] == 760
