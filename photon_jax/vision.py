@@ -32,19 +32,37 @@ def normalize(crops_u8, dtype):
 
 def attention_per_crop_head(q_CTQH, k_CTQH, v_CTQH):
     """Unmasked attention computed one (crop, head) at a time in a loop with a static trip
-    count.  Each pair runs exactly `layers.attention`'s computation, so every output equals
-    the batched call's (to float rounding of the same ops); only one [729, 729] score matrix
-    is live at a time, which stays in cache instead of making a [crops, heads, 729, 729]
-    round trip through memory.  On CPU this halves the vision encoder's time (13 crops of
-    the test fixture's tower: 108 -> 51 ms per layer, measured); accelerators use the
-    batched form (`encode_crops(loop=False)`), where a loop of small kernels would not pay."""
+    count, for CPUs.  Two things make it about 2x faster there than `layers.attention` on
+    the same shapes, and 4x faster than the batched call:
+
+    * only one [729, 729] score matrix is live at a time, so it stays in cache instead of
+      making a [crops, heads, 729, 729] round trip through memory;
+    * the softmax's division comes after the product with V (on [729, head dim] instead of
+      [729, 729]): one pass fewer over the scores, the order torch's fused CPU attention
+      (the reference's `scaled_dot_product_attention`) also uses.  Same math; the rounding
+      differs from `layers.attention` by float32 ulps.
+
+    Measured on 2 cores, 13 crops of the test fixture's tower (2 heads of 8), one layer:
+    batched 105 ms, a loop of `layers.attention` 51-63 ms, this 23-36 ms (torch's fused
+    attention on the same shapes: 46 ms).  Accelerators use the batched form
+    (`encode_crops(loop=False)`), where a loop of small kernels would not pay."""
     c, t, n, h = q_CTQH.shape
 
-    def heads_first(x):
-        return x.transpose(0, 2, 1, 3).reshape(c * n, t, 1, h)
+    def heads_first(x):   # [C, T, Q, H] -> [C*Q, T, H]
+        return x.transpose(0, 2, 1, 3).reshape(c * n, t, h)
 
-    o = jax.lax.map(lambda a: attention(a[0][None], a[1][None], a[2][None])[0],
-                    (heads_first(q_CTQH), heads_first(k_CTQH), heads_first(v_CTQH)))
+    prec = matmul_precision(q_CTQH.dtype)
+
+    def one(qkv):
+        q, k, v = qkv
+        s = jnp.einsum("th,sh->ts", q, k, precision=prec,
+                       preferred_element_type=F32) * (h ** -0.5)
+        e = jnp.exp(s - s.max(-1, keepdims=True))
+        o = jnp.einsum("ts,sh->th", e.astype(v.dtype), v, precision=prec,
+                       preferred_element_type=F32)
+        return (o / e.sum(-1, keepdims=True)).astype(q.dtype)
+
+    o = jax.lax.map(one, (heads_first(q_CTQH), heads_first(k_CTQH), heads_first(v_CTQH)))
     return o.reshape(c, n, t, h).transpose(0, 2, 1, 3).reshape(c, t, n * h)
 
 

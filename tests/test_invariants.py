@@ -177,3 +177,26 @@ def test_full_size_programs_have_the_right_shapes():
                          jax.ShapeDtypeStruct((2, 2), jnp.float32), i32(2), i32(2), i32(2), 1024)
     assert out[1].shape == (2, 2048) and out[2].shape == (2, 51200)
     assert out[2].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
+def test_cpu_vision_attention_loop_equals_the_batched_attention(dtype, tol):
+    """The vision encoder's CPU attention (one (crop, head) at a time, the softmax's division
+    after the product with V) computes `layers.attention`'s values: float32 to a few ulps,
+    bfloat16 to its own rounding; and the whole encoder agrees either way."""
+    from photon_jax import vision
+    from photon_jax.layers import attention
+
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.normal(size=(3, 729, 2, 8)) * 2, dtype) for _ in range(3))
+    got = np.asarray(vision.attention_per_crop_head(q, k, v), np.float32)
+    want = np.asarray(attention(q, k, v), np.float32)
+    assert got.shape == want.shape == (3, 729, 16)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+    cfg = C.tiny()
+    pv = init_params(jax.random.PRNGKey(1), cfg)["vision"]
+    crops = jnp.asarray(r.integers(0, 256, (2, 378, 378, 3)), jnp.uint8)
+    a, b = (np.asarray(vision.encode_crops(pv, crops, cfg.vision, jnp.float32, loop=lp))
+            for lp in (True, False))
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
