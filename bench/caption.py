@@ -101,17 +101,22 @@ def caption(ckpt: str, images: str, batch: int, max_tokens: int, out: str,
             "tokens_per_s": round(summary.tokens_per_s, 1), "wall_s": round(wall, 2)}
 
 
-def _child(code_args: list[str], env_extra: dict) -> list[dict]:
-    """Run `_passes` or `_one_run` of this file in a new interpreter; its JSON lines."""
+def _child(code_args: list[str], env_extra: dict, cwd: str) -> list[dict]:
+    """Run `_passes` or `_one_run` of this file in a new interpreter; its JSON lines, each
+    with the photon_jax package the child imported (`photon_jax_dir`).  The child runs in
+    `cwd`, a folder without a photon_jax package: `python -c` puts its working directory
+    first on sys.path, so a run started in a checkout would import that checkout's
+    photon_jax whatever PYTHONPATH (--source-tree) says."""
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
-    code = ("import json, sys; sys.path.insert(0, %r); import caption as b; "
-            "[print(json.dumps(r), flush=True) for r in getattr(b, sys.argv[1])(*sys.argv[2:])]"
-            % here)
+    code = ("import json, os, sys; sys.path.insert(1, %r); import caption as b; "
+            "import photon_jax; d = os.path.dirname(os.path.dirname(photon_jax.__file__)); "
+            "[print(json.dumps({**r, 'photon_jax_dir': d}), flush=True) "
+            "for r in getattr(b, sys.argv[1])(*sys.argv[2:])]" % here)
     env = {**os.environ, **env_extra}
     r = subprocess.run([sys.executable, "-c", code, *code_args], env=env, capture_output=True,
-                       text=True)
+                       text=True, cwd=cwd)
     if r.returncode != 0:
         raise RuntimeError(f"photon-caption run failed:\n{r.stderr[-3000:]}")
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
@@ -185,13 +190,13 @@ def main(argv=None) -> int:
                 # "cold" compiles everything it meets.
                 rows = _child(["_passes", *common_args],
                               {**env, "JAX_COMPILATION_CACHE_DIR":
-                               tempfile.mkdtemp(dir=tmp, prefix="xla-")})
+                               tempfile.mkdtemp(dir=tmp, prefix="xla-")}, tmp)
                 if args.processes:
                     cache = tempfile.mkdtemp(dir=tmp, prefix="xla-")
                     for name in ("fresh_cache", "warm_cache"):
                         rows += [{"pass": name, **r} for r in _child(
                             ["_one_run", *common_args],
-                            {**env, "JAX_COMPILATION_CACHE_DIR": cache})]
+                            {**env, "JAX_COMPILATION_CACHE_DIR": cache}, tmp)]
                 for r in rows:
                     print(json.dumps({"bench": "caption", "config": args.config,
                                       "ckpt_dtype": ckpt_dtype, "compute_dtype": args.dtype,

@@ -13,8 +13,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:   # run from a checkout without installing
-    sys.path.insert(0, ROOT)
+if ROOT not in sys.path:   # run from a checkout without installing: last, so that an
+    sys.path.append(ROOT)  # installed photon_jax or PYTHONPATH (caption.py --source-tree) wins
 TOKENIZER = os.path.join(ROOT, "tests", "fixtures", "moondream2-tiny", "tokenizer.json")
 RESULTS = os.path.join(HERE, "results")
 PROMPT_TOKENS = 16

@@ -100,3 +100,31 @@ def test_moe_bench_smoke():
                                             for n in (1, 8, 32)}
     for dtype in ("float32", "bfloat16"):
         assert full[(dtype, "chosen", 32)]["bytes_over_selected"] <= 1.2
+
+
+def test_caption_bench_runs_the_source_tree_it_is_given(tmp_path):
+    """`bench/caption.py --source-tree DIR` runs DIR's photon_jax, not the checkout it was
+    started from (a child started with `python -c` puts its working directory first on
+    sys.path).  A fake tree whose photon-caption only reports where it lives."""
+    import importlib.util
+
+    fake = tmp_path / "tree" / "photon_jax"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "caption.py").write_text(
+        "import types\n"
+        "def build_parser():\n"
+        "    return types.SimpleNamespace(parse_intermixed_args=lambda argv: argv)\n"
+        "def run(args):\n"
+        "    return types.SimpleNamespace(exit_code=0, images_per_s=1.0, tokens_per_s=2.0)\n")
+    spec = importlib.util.spec_from_file_location("caption_bench",
+                                                  os.path.join(ROOT, "bench", "caption.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    work = tmp_path / "work"
+    work.mkdir()
+    rows = bench._child(["_passes", "ckpt", "imgs", "2", "3", str(work / "o.jsonl"), ""],
+                        {"PYTHONPATH": str(tmp_path / "tree")}, str(work))
+    assert [r["pass"] for r in rows] == ["cold", "warm"]
+    assert {r["photon_jax_dir"] for r in rows} == {str(tmp_path / "tree")}
+    assert rows[0]["images_per_s"] == 1.0
