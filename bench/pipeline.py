@@ -20,12 +20,12 @@ default mode, where the host's time comes out of XLA's cores) next to the measur
 (`*_step_ms`, `*_model_err`).  bench/README.md explains each term.
 
 Further lines (full run, or the flags):
-  "host_work"  pinned and default, batch 8 (--aux-batch): both loops with 0, 4, 16, 32 ms of synthetic
-               host work per step; the parent writes bench/results/pipeline.json and, with
-               matplotlib, bench/results/pipeline_gain.png (gain vs host share);
-  "zombies"    (first mode only) batch 1 and 32 (--zombie-batches), three waves of requests with sampled
-               output lengths (tiny model, EOS calibrated to a mean of about 60 tokens): the
-               share of computed rows that belonged to finished sequences;
+  "host_work"  pinned and default, batch 8 (--aux-batch): both loops with 0, 4, 16, 32 ms of
+               synthetic host work per step; the parent writes bench/results/pipeline.json
+               and, with matplotlib, bench/results/pipeline_gain.png (gain vs host share);
+  "zombies"    (first mode only) batch 1 and 32 (--zombie-batches), three waves of requests
+               with sampled output lengths (tiny model, EOS calibrated to a mean of about 60
+               tokens): the share of computed rows that belonged to finished sequences;
   "busy"       the device's busy fraction in each loop (batch 8, --aux-batch), from a
                `jax.profiler` trace.
 
@@ -232,10 +232,11 @@ def main(argv=None) -> int:
                     choices=["default", "pinned"])
     ap.add_argument("--host-work", type=float, nargs="*", default=None,
                     help="synthetic host ms per step to sweep (full run: 0 4 16 32)")
-    ap.add_argument("--zombies", action="store_true", help="zombie tax at batch 1 and 32")
+    ap.add_argument("--zombies", action="store_true", help="the zombie tax (--zombie-batches)")
     ap.add_argument("--zombie-len", type=int, default=60,
                     help="mean sampled output length of the zombie-tax requests")
-    ap.add_argument("--zombie-batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--zombie-batches", type=int, nargs="+", default=[1, 32],
+                    help="the batches of the zombie-tax runs")
     ap.add_argument("--busy", action="store_true", help="busy fraction from a profiler trace")
     ap.add_argument("--aux-batch", type=int, default=8,
                     help="the batch of the host-work sweep and the busy fraction")
