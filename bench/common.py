@@ -155,7 +155,7 @@ def memory_plan(model, batch: int, page_size: int = 64, kv_cache_tokens: int | N
     what the run needs, not 90% of its memory)."""
     import jax
 
-    from photon_jax import memory
+    from photon_jax import memory, step
 
     cfg = model.cfg
     plat = jax.devices()[0].platform
@@ -164,7 +164,8 @@ def memory_plan(model, batch: int, page_size: int = 64, kv_cache_tokens: int | N
     return memory.plan(cfg, platform=plat, max_batch_size=batch,
                        max_context=cfg.text.max_context, page_size=page_size,
                        kv_cache_tokens=kv_cache_tokens, free=None if plat != "cpu" else
-                       memory.device_free(jax.devices()[0]))
+                       memory.device_free(jax.devices()[0]),
+                       sweep=step.sweeps(model.attention))
 
 
 def row_tables(batch: int, positions: int, page_size: int) -> list[list[int]]:
@@ -176,9 +177,11 @@ def row_tables(batch: int, positions: int, page_size: int) -> list[list[int]]:
     return [list(range(1 + r * n, 1 + (r + 1) * n)) for r in range(batch)]
 
 
-def decode_metas(model, batch: int, first: int, steps: int, plan):
+def decode_metas(model, batch: int, first: int, steps: int, plan, owners: bool = True):
     """Stacked (meta_NFR, pages_N2P) of `steps` decode steps of `batch` rows (rows 1..batch)
-    from position `first`, and the number of arenas they read (the same for all steps)."""
+    from position `first`, and the number of arenas they read (the same for all steps).
+    `owners`: the sweep's page owners (else [2, 1] stand-ins, as the engine uploads for the
+    kernels)."""
     import numpy as np
 
     from photon_jax.meta import pack_decode
@@ -191,8 +194,8 @@ def decode_metas(model, batch: int, first: int, steps: int, plan):
     metas, pages = [], []
     for i in range(steps):
         mt, pg, _ = pack_decode(list(range(1, batch + 1)), [first + i] * batch, tables, batch,
-                                m, page, plan.arenas)
-        width = plan.arenas.pages_in(n_arenas)
+                                m, page, plan.arenas, owners=owners)
+        width = plan.arenas.pages_in(n_arenas) if owners else 1
         full = np.zeros((2, width), np.int32)
         full[0] = batch
         full[:, :pg.shape[1]] = pg
@@ -214,7 +217,7 @@ def device_state(model, batch: int, steps: int, page_size: int = 64,
     cfg = model.cfg
     plan = memory_plan(model, batch, page_size)
     metas, pages, n_arenas = decode_metas(model, batch, start(model, prompt_tokens), steps,
-                                          plan)
+                                          plan, owners=step_mod.sweeps(model.attention))
     dev = step_mod.DeviceState.init(cfg, arena_sizes=plan.arenas.sizes[:n_arenas],
                                     page_size=page_size, max_batch_size=batch,
                                     device=jax.devices()[0])
@@ -251,14 +254,15 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
         tokens += 4 * cfg.prefix_len
     plan = memory.plan(cfg, platform=platform_, max_batch_size=batch,
                        max_context=cfg.text.max_context, page_size=page_size,
-                       kv_cache_tokens=tokens, free=None, sweep=attention == "xla")
+                       kv_cache_tokens=tokens, free=None, sweep=step_mod.sweeps(attention))
 
     class _Model:
         pass
 
     m = _Model()
     m.cfg = cfg
-    metas, pages, n_arenas = decode_metas(m, batch, position, 1, plan)
+    metas, pages, n_arenas = decode_metas(m, batch, position, 1, plan,
+                                          owners=step_mod.sweeps(attention))
     params = jax.eval_shape(unstack_layers, abstract_params(cfg))   # as a loaded model
     dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes[:n_arenas],
                                         page_size=page_size, max_batch_size=batch)
@@ -278,12 +282,25 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     kv = 2 * t.n_layers * batch * (position + 1) * t.n_kv_heads * t.head_dim * itemsize
     logits = batch * t.vocab_size * 4
     floor = weights + kv + logits
-    swept = plan.arenas.pages_in(n_arenas) * page_size * memory.bytes_per_token(cfg)
+    if step_mod.sweeps(attention):
+        swept = plan.arenas.pages_in(n_arenas) * page_size * memory.bytes_per_token(cfg)
+    else:   # the kernels read each row's positions 0..position through its page table
+        swept = kv
+    xla_bytes = int(ca["bytes accessed"])
+    # XLA's cost analysis sees a custom call (the CPU kernel) as reading nothing: add what
+    # the kernel reads and writes -- every attended K/V element once, the queries, the
+    # outputs (float32) -- so the figure is the whole step's.  (The Pallas kernel is part of
+    # the compiled GPU program and counted by XLA.)
+    kernel = 0
+    if attention == "cpu-kernel":
+        kernel = kv + 2 * t.n_layers * batch * t.n_heads * t.head_dim * 4
+    total = xla_bytes + kernel
     return {"batch": batch, "position": position, "page_size": page_size,
-            "bytes_accessed": int(ca["bytes accessed"]), "floor_bytes": int(floor),
+            "attention": attention, "bytes_accessed": total, "xla_bytes_accessed": xla_bytes,
+            "kernel_bytes": int(kernel), "floor_bytes": int(floor),
             "weights_bytes": int(weights), "attended_kv_bytes": int(kv),
             "logits_bytes": int(logits), "swept_kv_bytes": int(swept),
-            "over_floor": round(ca["bytes accessed"] / floor, 3)}
+            "over_floor": round(total / floor, 3)}
 
 
 # -- the three loops of a decode run, and the cost model (pipeline.py, gpu_md2.py) ----------

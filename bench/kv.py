@@ -7,10 +7,14 @@ step (every layer: write the new position, attend) for each formulation, one JSO
                 up to 256) and attends: rows pay for the longest row, the gather copies
   paged_gather  per-layer page pools; each row's pages gathered into a contiguous buffer
                 (materialised), then the ordinary attention: each row reads its own pages
-  paged_sweep   what photon_jax runs on CPU: every page of the arenas in use scored against
+  paged_sweep   the XLA fallback on CPU: every page of the arenas in use scored against
                 its owner row's query in one batched matmul each for K and V, reading the
                 pool in place; per-page partials combined in each row's page order
   paged_sweep_mul  the same sweep as elementwise multiply + reduce instead of matmuls
+  paged_kernel  what photon_jax runs on CPU when a C++ compiler is present: our kernel
+                (`photon_jax/cpukernel.py`) walks each row's page table to its length, one
+                online-softmax pass per (row, kv head); XLA's cost analysis cannot see into
+                it, so its bytes are XLA's plus what the kernel reads and writes
 
 Keys: ms (median of --reps timed calls), bytes_accessed (XLA's cost analysis of the compiled
 program), attended_kv_bytes (what the rows attend, K and V, every layer) and their ratio.
@@ -127,6 +131,31 @@ def formulations(cfg, batch: int, position: int, page: int):
     for name, fn in (("paged_gather", gather), ("paged_sweep", sweep),
                      ("paged_sweep_mul", sweep_mul)):
         out[name] = (paged(fn), [pool(), pool(), q, new])
+
+    # paged_kernel: the CPU kernel (photon_jax/cpukernel.py) over one arena holding every
+    # page, as the engine lays the pool out for it; it walks each row's table to its length.
+    from photon_jax import cpukernel
+    if jax.default_backend() == "cpu" and cpukernel.load():
+        length = jnp.asarray(pos + 1)
+        one = M.Arenas((arenas.n_pages,))
+        meta1, _, _ = M.pack_decode(list(range(1, batch + 1)), list(pos), tables, batch,
+                                    pages_for(t.max_context, page), page, one)
+        pg1, off1 = jnp.asarray(meta1[M.M_PAGE]), jnp.asarray(meta1[M.M_OFF])
+        table1 = jnp.asarray(meta1[M.M_TABLE:].T)
+
+        def kernel_step(kp, vp, q, new):
+            acc = 0.0
+            kp, vp = list(kp), list(vp)
+            for li in range(L):
+                kp[li], vp[li] = kvpool.write_rows(kp[li], vp[li], pg1, off1, new, new)
+                acc = acc + cpukernel.attend(kp[li][0], vp[li][0], q, table1, length)
+            return kp, vp, acc
+
+        def pool1():
+            return [(jnp.zeros((K, arenas.n_pages, page, H), jnp.float32),) for _ in range(L)]
+
+        out["paged_kernel"] = (jax.jit(kernel_step, donate_argnums=(0, 1)),
+                               [pool1(), pool1(), q, new])
     return out
 
 
@@ -168,6 +197,12 @@ def main(argv=None) -> int:
                 if name == "dense_scan":
                     # XLA's cost analysis counts a loop body once: scale by the layer count.
                     r["bytes_accessed"] *= t.n_layers
+                if name == "paged_kernel":
+                    # A custom call is opaque to XLA's cost analysis: add what the kernel
+                    # reads and writes (each attended K/V element once, queries, outputs).
+                    r["xla_bytes_accessed"] = r["bytes_accessed"]
+                    r["bytes_accessed"] += kv + 2 * t.n_layers * batch * t.n_heads * \
+                        t.head_dim * 4
                 print(json.dumps({"kind": "kv", "config": args.config, "formulation": name,
                                   "page_size": None if name == "dense_scan" else page,
                                   "batch": batch, "position": args.position, **r,

@@ -110,9 +110,10 @@ class Engine:
             memory.plan(cfg, platform=self.device.platform, max_batch_size=max_batch_size,
                         max_context=ctx, page_size=page_size, kv_cache_tokens=kv_cache_tokens,
                         free=memory.device_free(self.device), weights_loaded=True,
-                        sweep=model.attention == "xla"),
+                        sweep=step_mod.sweeps(model.attention)),
             cfg, max_context=ctx, weights_loaded=True)
         self.page_size, self.arenas = page_size, self.plan.arenas
+        self.sweep = step_mod.sweeps(model.attention)   # page owners uploaded per step
         self.max_pages = pages_for(ctx, page_size)   # a row's page table
         self.dev = step_mod.DeviceState.init(cfg, arena_sizes=self.arenas.sizes,
                                              page_size=page_size,
@@ -311,7 +312,7 @@ class Engine:
             samp[step_mod.S_ALLOW] = -1
             samp = jax.device_put(samp, self.device)
             for n in range(1, self.arenas_count + 1):
-                pages = np.zeros((2, self.arenas.pages_in(n)), _I32)
+                pages = np.zeros((2, self.arenas.pages_in(n) if self.sweep else 1), _I32)
                 pages[0] = rb
                 dev = self.dev
                 part, dev.slots[0] = P.forward(params, dev.pool.arenas(n), dev.slots[0],
@@ -513,7 +514,7 @@ class Engine:
         index = self.sched.grow(rows)   # each row's page of the position it writes
         meta, pages, n_arenas = pack_decode([s.row for s in rows], [s.length for s in rows],
                                             [s.pages for s in rows], rb, self.max_pages,
-                                            self.page_size, self.arenas)
+                                            self.page_size, self.arenas, owners=self.sweep)
         with hostsync.sync_free():
             meta_d = jax.device_put(meta, self.device)
             dev = self.dev

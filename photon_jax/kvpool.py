@@ -37,6 +37,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from . import cpukernel
 from .config import TextConfig
 from .dtypes import F32, jnp_dtype
 from .layers import attention
@@ -269,29 +270,36 @@ class PrefillAccess:
 
 @flax.struct.dataclass
 class DecodeAccess:
-    """One new position per row; attention over the pages of the arenas given.  `kernel`:
-    the Pallas kernel (GPU) instead of the XLA sweep; `interpret` runs it on CPU (tests)."""
+    """One new position per row; attention over the pages of the arenas given, by `attend`:
+    "sweep" (the XLA sweep, any backend), "cpu-kernel" (`cpukernel`: XLA:CPU), "pallas"
+    (JAX's Pallas GPU kernel) or "pallas-interpret" (the same run on CPU: tests).  The two
+    kernels read one arena through the rows' page tables and lengths; the sweep reads every
+    page of the arenas given, with owner_P / count_P."""
     page_R: jax.Array
     off_R: jax.Array
     owner_P: jax.Array
     count_P: jax.Array
     pt_RM: jax.Array
     length_R: jax.Array
-    kernel: bool = flax.struct.field(pytree_node=False, default=False)
-    interpret: bool = flax.struct.field(pytree_node=False, default=False)
+    attend: str = flax.struct.field(pytree_node=False, default="sweep")
 
     def update(self, pool: KVPool, li: int, q, k, v, pos_RT):
-        if self.kernel:   # GPU: one scatter per arena (XLA:GPU runs it as one kernel)
+        if self.attend.startswith("pallas"):   # GPU: one scatter per arena (one kernel)
             ks = write_tokens(pool.k[li], self.page_R, self.off_R, k[:, 0])
             vs = write_tokens(pool.v[li], self.page_R, self.off_R, v[:, 0])
         else:
             ks, vs = write_rows(pool.k[li], pool.v[li], self.page_R, self.off_R, k[:, 0],
                                 v[:, 0])
-        if self.kernel:
-            a = kernel_attend(ks, vs, q[:, 0], self.pt_RM, self.length_R,
-                              interpret=self.interpret)
-        else:
+        if self.attend == "sweep":
             a = decode_attend(ks, vs, q[:, 0], self.owner_P, self.count_P, self.pt_RM)
+        elif self.attend == "cpu-kernel":
+            if len(ks) != 1:
+                raise ValueError("the CPU paged-attention kernel reads a single-arena pool")
+            a = cpukernel.attend(ks[0], vs[0], q[:, 0], self.pt_RM, self.length_R)
+            a = a.reshape(a.shape[0], -1)
+        else:
+            a = kernel_attend(ks, vs, q[:, 0], self.pt_RM, self.length_R,
+                              interpret=self.attend == "pallas-interpret")
         return _replace_layer(pool, li, ks, vs), a[:, None]
 
 

@@ -75,9 +75,10 @@ class Arenas:
 
 
 def pack_decode(rows: list[int], positions: list[int], tables: list[list[int]], bucket: int,
-                max_pages: int, page_size: int, arenas: Arenas):
+                max_pages: int, page_size: int, arenas: Arenas, owners: bool = True):
     """(meta_FR, pages_2P, n_arenas) of a decode step: rows[i] decodes `positions[i]`, its
-    K/V pages are tables[i] (logical order, the page of `positions[i]` included)."""
+    K/V pages are tables[i] (logical order, the page of `positions[i]` included).  Without
+    `owners` (attention through page tables: the kernels), pages_2P is a [2, 1] stand-in."""
     meta = np.zeros((M_TABLE + max_pages, bucket), _I32)
     top = 0
     for i, (row, pos, table) in enumerate(zip(rows, positions, tables)):
@@ -86,6 +87,8 @@ def pack_decode(rows: list[int], positions: list[int], tables: list[list[int]], 
         meta[M_TABLE:M_TABLE + len(table), i] = table
         top = max(top, max(table))
     n_arenas = arenas.covering(top)
+    if not owners:
+        return meta, np.zeros((2, 1), _I32), n_arenas
     pages = np.zeros((2, arenas.pages_in(n_arenas)), _I32)
     pages[P_OWNER] = bucket
     for i, (pos, table) in enumerate(zip(positions, tables)):

@@ -2,7 +2,8 @@
 
 The params keep the text layers as lists of per-layer dicts (`text.unstack_layers`): the
 serving programs unroll the layer loop over them.  `attention` picks the decode attention
-(`step.ATTENTION`); by default the Pallas kernel on GPU, the XLA sweep elsewhere."""
+(`step.ATTENTION`); by default the Pallas kernel on GPU, our C++ kernel on CPU (the XLA sweep
+where it cannot be built), the XLA sweep elsewhere."""
 
 from __future__ import annotations
 

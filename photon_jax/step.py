@@ -13,8 +13,9 @@ over precomputed per-step metadata inside one jitted program: the device-only bo
 benchmark (a static trip count: no host round trip on any backend).
 
 `attention` selects the decode attention: "xla" (the in-place sweep of `kvpool`, every
-backend), "pallas" (JAX's Pallas GPU paged-attention kernel) or "pallas-interpret" (the same
-kernel run by the Pallas interpreter: tests on CPU).
+backend), "cpu-kernel" (our C++ paged-attention kernel through the XLA FFI: `cpukernel`),
+"pallas" (JAX's Pallas GPU paged-attention kernel) or "pallas-interpret" (the same kernel run
+by the Pallas interpreter: tests on CPU).
 
 Input kinds of a decode row (`kind_R`): 0 = token id, 1 = coordinate value, 2 = size value.
 Detect/point feed region values back as embeddings, so one decode program serves text and
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 
 import flax.struct
 
-from . import constraints, kvpool, region, sampling, text, vision
+from . import constraints, cpukernel, kvpool, region, sampling, text, vision
 from .config import MoondreamConfig
 from .dtypes import F32, jnp_dtype
 from .kvpool import DecodeAccess, KVPool, PrefillAccess
@@ -183,7 +184,7 @@ def decode_access(meta_FR, pages_2P, *, attention: str) -> DecodeAccess:
     return DecodeAccess(page_R=meta_FR[M_PAGE], off_R=meta_FR[M_OFF],
                         owner_P=pages_2P[P_OWNER], count_P=pages_2P[P_COUNT],
                         pt_RM=meta_FR[M_TABLE:].T, length_R=meta_FR[M_POS] + 1,
-                        kernel=attention != "xla", interpret=attention == "pallas-interpret")
+                        attend="sweep" if attention == "xla" else attention)
 
 
 def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_2P, *, cfg,
@@ -374,13 +375,23 @@ class Programs:
         return self.sample_step[(stochastic, region)]
 
 
-ATTENTION = ("xla", "pallas", "pallas-interpret")
+ATTENTION = ("xla", "cpu-kernel", "pallas", "pallas-interpret")
 
 
 def default_attention(platform: str) -> str:
-    """The decode attention a backend gets: the Pallas kernel on GPU, the XLA sweep
-    elsewhere."""
-    return "pallas" if platform == "gpu" else "xla"
+    """The decode attention a backend gets: the Pallas kernel on GPU; on CPU our C++ kernel
+    (`cpukernel`) when it builds, else the XLA sweep; the XLA sweep elsewhere."""
+    if platform == "gpu":
+        return "pallas"
+    if platform == "cpu":
+        return "cpu-kernel" if cpukernel.load() else "xla"
+    return "xla"
+
+
+def sweeps(attention: str) -> bool:
+    """Whether a decode attention reads the pool by the arena sweep (several arenas, page
+    owners uploaded each step) rather than through page tables (one arena)."""
+    return attention == "xla"
 
 
 def default_vision_loop(platform: str) -> bool:
@@ -396,7 +407,6 @@ def default_grouped(platform: str) -> str:
     return "ragged" if platform == "gpu" else "blocks"
 
 
-@lru_cache(maxsize=16)
 def build(cfg: MoondreamConfig, attention: str = "xla",
           candidates: int = sampling.DEFAULT_CANDIDATES, grouped: str = "blocks",
           vision_loop: bool = False) -> Programs:
@@ -408,6 +418,16 @@ def build(cfg: MoondreamConfig, attention: str = "xla",
     attention's formulation (`default_vision_loop`)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    if attention == "cpu-kernel":
+        if not cpukernel.load():
+            raise ValueError("attention='cpu-kernel': the CPU paged-attention kernel could not "
+                             f"be built ({cpukernel.reason()}); install a C++ compiler (g++) "
+                             "or pass attention='xla'")
+    return _build(cfg, attention, candidates, grouped, vision_loop)
+
+
+@lru_cache(maxsize=16)
+def _build(cfg, attention, candidates, grouped, vision_loop) -> Programs:
     c = {"cfg": cfg}
     g = {"cfg": cfg, "grouped": grouped}   # programs with a text forward (MoE schedules)
     return Programs(

@@ -82,7 +82,7 @@ def test_kv_bench_smoke():
     rows = run("kv.py", "--config", "tiny", "--batch", "2", "--pages", "64", "--reps", "1",
                "--position", "100")
     assert {r["formulation"] for r in rows} == {"dense_scan", "paged_gather", "paged_sweep",
-                                                "paged_sweep_mul"}
+                                                "paged_sweep_mul", "paged_kernel"}
     assert all(r["ms"] > 0 and r["bytes_accessed"] > 0 for r in rows)
 
 

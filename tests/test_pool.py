@@ -145,6 +145,69 @@ def test_sweep_and_pallas_kernel_equal_dense_attention(kh, g):
     assert np.all(sweep[6:] == 0)   # padding rows of the bucket own no page
 
 
+@pytest.mark.parametrize("kh,g", [(4, 1), (2, 4)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_kernel_equals_dense_attention(kh, g, dtype):
+    """Our C++ kernel (`cpukernel`, through the XLA FFI): rows of 0, 1, 16, 17, 31, 32, 64
+    and 100 positions (page 16: inside, on and across page boundaries), pages scattered
+    through one arena, two rows reading the same pages (shared prefix pages), bfloat16 pools
+    widened exactly: each row equals float64 attention over its own positions gathered
+    densely, a row of length 0 is zeros, and nothing else in the pool matters."""
+    from photon_jax import cpukernel
+
+    assert cpukernel.load(), cpukernel.reason()
+    rng = np.random.default_rng(kh * 10 + g)
+    h, page, m, p = 64, 16, 8, 40
+    dt = jnp.dtype(dtype)
+    k = np.asarray(jnp.asarray(rng.normal(size=(kh, p, page, h)), dt).astype(jnp.float32))
+    v = np.asarray(jnp.asarray(rng.normal(size=(kh, p, page, h)), dt).astype(jnp.float32))
+    lengths = [0, 1, 16, 17, 31, 32, 64, 100]
+    free = rng.permutation(np.arange(1, p)).tolist()
+    tables = np.zeros((len(lengths) + 1, m), np.int32)
+    for i, n in enumerate(lengths):
+        used = pages_for(n, page)
+        tables[i, :used] = free[:used]
+        free = free[used:]
+    tables[-1] = tables[6]              # a row sharing row 6's pages
+    lengths = np.asarray(lengths + [50], np.int32)
+    q = rng.normal(size=(len(lengths), kh * g, h)).astype(np.float32)
+    out = np.asarray(jax.jit(cpukernel.attend)(
+        jnp.asarray(k, dt), jnp.asarray(v, dt), jnp.asarray(q), jnp.asarray(tables),
+        jnp.asarray(lengths)))
+    assert out.dtype == np.float32
+    for i, n in enumerate(lengths):
+        if n == 0:
+            assert np.all(out[i] == 0)
+            continue
+        t = tables[i, :pages_for(n, page)]
+        want = dense_attention(q[i].reshape(-1, h), np.concatenate([k[:, j] for j in t], 1)[:, :n],
+                               np.concatenate([v[:, j] for j in t], 1)[:, :n])
+        np.testing.assert_allclose(out[i].reshape(-1), want, atol=2e-6)
+    # Pages no row reads can hold anything (NaN included): results do not change.
+    unread = np.setdiff1d(np.arange(p), tables[lengths > 0].ravel())
+    k2, v2 = k.copy(), v.copy()
+    k2[:, unread], v2[:, unread] = np.nan, np.nan
+    out2 = np.asarray(jax.jit(cpukernel.attend)(
+        jnp.asarray(k2, dt), jnp.asarray(v2, dt), jnp.asarray(q), jnp.asarray(tables),
+        jnp.asarray(lengths)))
+    np.testing.assert_array_equal(out2, out)
+
+
+def test_cpu_kernel_falls_back_to_the_sweep_without_a_compiler(monkeypatch, caplog):
+    """No C++ compiler: CPU models get the XLA sweep (with a warning naming the reason),
+    and asking for the kernel by name fails with the fix."""
+    from photon_jax import cpukernel
+
+    monkeypatch.setattr(cpukernel, "_state", {})
+    monkeypatch.setattr(cpukernel, "_compiler", lambda: None)
+    monkeypatch.setattr(cpukernel, "_library_path", lambda cxx: "/nonexistent.so")
+    with caplog.at_level("WARNING"):
+        assert step_mod.default_attention("cpu") == "xla"
+    assert "no C++ compiler" in cpukernel.reason() and "falls back" in caplog.text
+    with pytest.raises(ValueError, match="install a C\\+\\+ compiler"):
+        step_mod.build(tiny(), "cpu-kernel")
+
+
 def test_pallas_kernel_in_the_model_equals_the_xla_sweep():
     """A whole decode step of the Moondream 3 fixture model (tau attention, MoE) with the
     kernel (interpreted) in place of the sweep, over one arena: rows at ragged positions
@@ -170,15 +233,16 @@ def test_pallas_kernel_in_the_model_equals_the_xla_sweep():
                             jnp.asarray(r.integers(10, 999, rows + 1), jnp.int32),
                             jnp.zeros((rows + 1, 2), jnp.float32))
     logits = []
-    for attention in ("xla", "pallas-interpret"):
+    for attention in ("xla", "pallas-interpret", "cpu-kernel"):
         m = Model(cfg, params, tok, attention=attention)
         kv = kvpool.KVPool(*(tuple((jnp.asarray(pool[li, j], jnp.float32),)
                                    for li in range(t.n_layers)) for j in range(2)))
         out = m.programs.forward(m.params, kv, step_mod.init_slot(cfg, rows), pend,
                                  jnp.asarray(meta), jnp.asarray(pages))[1]
         logits.append(np.array(out.logits))
-    np.testing.assert_allclose(logits[1], logits[0], rtol=2e-5, atol=2e-5)
-    assert (logits[1].argmax(-1) == logits[0].argmax(-1)).all()
+    for other in logits[1:]:
+        np.testing.assert_allclose(other, logits[0], rtol=2e-5, atol=2e-5)
+        assert (other.argmax(-1) == logits[0].argmax(-1)).all()
 
 
 # -- the engine under memory pressure --------------------------------------------------------

@@ -1,0 +1,145 @@
+"""The CPU paged decode attention kernel: `csrc/paged_attention.cc`, compiled with the
+machine's C++ compiler on first use, cached on disk, and registered with XLA as an FFI
+custom call (`attend`).
+
+Why a hand-written kernel on CPU.  The decode step's attention must read each row's pages
+where they lie and nothing else.  On GPU JAX ships a Pallas kernel that does; Pallas has no
+CPU lowering, and the best XLA:CPU formulation we measured (the arena sweep of `kvpool`)
+runs its batched products at about half the machine's read rate and reads every page up to
+the pool's high-water mark (1.35x the attended KV at 32 rows).  The kernel walks each row's
+page table up to its own length, one online-softmax pass per (row, kv head), spread over
+XLA's intra-op threads: every attended K/V element is read once, and only those.
+
+Building.  `c++` (or `$CXX`) with `-O3 -march=native`, against the FFI headers of the
+installed jaxlib; the library goes to `$XDG_CACHE_HOME/photon_jax/kernels` (default
+`~/.cache/photon_jax/kernels`, or `$PHOTON_JAX_KERNEL_DIR`), named by a hash of the source,
+the flags, the jaxlib version and the CPU, so a change of any of them builds anew.  It takes
+a few seconds once.  Without a compiler (or if the build fails) `available()` is False with
+the reason, and CPU models fall back to the XLA sweep (`step.default_attention`), with one
+warning naming the reason and the fix.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+from .dtypes import F32
+
+TARGET = "photon_paged_attention"
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention.cc")
+_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
+
+_log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_state: dict = {}   # "ok": bool, "reason": str, "path": str, "lib": the loaded library
+
+
+def kernel_dir() -> str:
+    d = os.environ.get("PHOTON_JAX_KERNEL_DIR")
+    if d:
+        return d
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "photon_jax", "kernels")
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or \
+        shutil.which("clang++")
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("flags", "model name", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _library_path(cxx: str) -> str:
+    with open(_SOURCE, "rb") as f:
+        src = f.read()
+    h = hashlib.sha256()
+    for part in (src, " ".join(_FLAGS).encode(), cxx.encode(), jaxlib.__version__.encode(),
+                 platform.machine().encode(), _cpu_id().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return os.path.join(kernel_dir(), f"paged_attention-{h.hexdigest()[:20]}.so")
+
+
+def _build(cxx: str, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # Build beside the target and rename: concurrent first uses (test workers, processes)
+    # never load a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), _SOURCE, "-o", tmp]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{res.stderr[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> bool:
+    """Build (once per machine) and register the kernel; True if it is usable.  Never
+    raises: a failure is kept as `reason()`."""
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        try:
+            cxx = _compiler()
+            if cxx is None:
+                raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+            path = _library_path(cxx)
+            if not os.path.exists(path):
+                _build(cxx, path)
+            lib = ctypes.cdll.LoadLibrary(path)
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PhotonPagedAttention),
+                                        platform="cpu")
+            _state.update(ok=True, reason="", path=path, lib=lib)
+        except Exception as e:   # noqa: BLE001 -- any failure means: use the XLA sweep
+            _state.update(ok=False, reason=f"{type(e).__name__}: {e}")
+            _log.warning("photon_jax: the CPU paged-attention kernel is not available (%s); "
+                         "decode attention falls back to the slower XLA sweep. The kernel needs "
+                         "a C++ compiler (g++, or $CXX) and jaxlib's FFI headers.",
+                         _state["reason"])
+        return _state["ok"]
+
+
+def available() -> bool:
+    return load()
+
+
+def reason() -> str:
+    """Why the kernel is not available ("" if it is, or was never tried)."""
+    return _state.get("reason", "")
+
+
+def attend(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R):
+    """[R, Q, H] in q's dtype: each row's query heads against its pages pt_RM[r, :] up to
+    length_R[r] positions (0: a padding row, output zeros).  Pages are indices into the one
+    arena given.  Must run on CPU; call `load()` first (the engine's program builder does)."""
+    if not load():
+        raise RuntimeError(f"the CPU paged-attention kernel is not available: {reason()}")
+    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_RQH.shape, F32))(
+        q_RQH.astype(F32), k_KPTH, v_KPTH, pt_RM.astype(jnp.int32),
+        length_R.astype(jnp.int32), scale=np.float32(q_RQH.shape[-1] ** -0.5))
+    return out.astype(q_RQH.dtype)

@@ -1,0 +1,230 @@
+// Paged decode attention for XLA:CPU, called from JAX through the XLA FFI
+// (photon_jax/cpukernel.py builds this file and registers the handler).
+//
+// One query position per row against that row's own KV pages, found through its page
+// table, up to its own length: every K and V element a row attends is read once, where it
+// lies in the pool, and nothing else is read.  This is what the Pallas paged-attention
+// kernel does on GPU; XLA:CPU has no Pallas lowering, and its batched products over the
+// pool run at about half this machine's read rate (bench/kv.py), so the CPU gets this.
+//
+// Shapes (the pool layout of photon_jax/kvpool.py, one arena):
+//   q      [R, N, H]  float32   queries, head n reads kv head n / (N / K)
+//   k, v   [K, P, T, H]         float32 or bfloat16 pool pages (kv heads, pages, positions)
+//   table  [R, M]     int32     a row's pages in logical order (page j = positions jT..jT+T-1)
+//   length [R]        int32     positions a row attends (0: the row is padding)
+//   out    [R, N, H]  float32
+// Attribute `scale`: multiplies q.k (1 / sqrt(H)).
+//
+// Numerics: scores and the softmax in float32, one online-softmax pass over the row's
+// pages in logical order (running max, rescaled sum and output), the division last.
+// Work items are (row, kv head) pairs shared out to XLA's intra-op threads through an
+// atomic counter; the calling thread takes items too and returns only when all are done,
+// so a thread pool that runs nothing (or runs late) costs speed, never correctness.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxGroup = 64;  // query heads per kv head (Moondream: 1)
+
+inline float Load(const float* p, int64_t i) { return p[i]; }
+
+inline float Load(const uint16_t* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Rows [t0, t0 + n) of a page, as float32: a pointer into the page itself (float32 pools)
+// or into `buf` after widening (bfloat16 pools).
+inline const float* Rows(const float* page, int64_t h, int64_t, float*) { return page; }
+
+inline const float* Rows(const uint16_t* page, int64_t h, int64_t n, float* buf) {
+  for (int64_t i = 0; i < n * h; ++i) buf[i] = Load(page, i);
+  return buf;
+}
+
+struct Shapes {
+  int64_t rows, heads, kv_heads, group, dim, pages, page_size, table_width;
+};
+
+// One (row, kv head): the attention of that kv head's `group` query heads.
+template <typename T>
+void AttendOne(const Shapes& s, const float* q, const T* k, const T* v, const int32_t* table,
+               const int32_t* length, float* out, float scale, int64_t item,
+               std::vector<float>& scratch) {
+  const int64_t r = item / s.kv_heads, kh = item % s.kv_heads;
+  const int64_t g_n = s.group, h = s.dim, ps = s.page_size;
+  const float* q_r = q + (r * s.heads + kh * g_n) * h;
+  float* o = out + (r * s.heads + kh * g_n) * h;
+  std::fill(o, o + g_n * h, 0.0f);
+  int64_t len = std::min<int64_t>(length[r], s.table_width * ps);
+  if (len <= 0) return;
+
+  // scratch: scores [group, page_size], then two page buffers (bf16 widening).
+  float* sc = scratch.data();
+  float* kbuf = sc + g_n * ps;
+  float* vbuf = kbuf + ps * h;
+  float m[kMaxGroup], l[kMaxGroup];
+  for (int64_t g = 0; g < g_n; ++g) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.0f;
+  }
+  const int64_t page_elems = ps * h;
+  const int64_t head_stride = s.pages * page_elems;
+  const int64_t n_pages = (len + ps - 1) / ps;
+  for (int64_t j = 0; j < n_pages; ++j) {
+    const int64_t page = table[r * s.table_width + j];
+    if (page < 0 || page >= s.pages) continue;  // never produced by the engine
+    const int64_t n = std::min<int64_t>(ps, len - j * ps);
+    const int64_t at = kh * head_stride + page * page_elems;
+    const float* kp = Rows(k + at, h, n, kbuf);
+    for (int64_t g = 0; g < g_n; ++g) {
+      const float* qg = q_r + g * h;
+      float* sg = sc + g * ps;
+      float top = m[g];
+      for (int64_t t = 0; t < n; ++t) {
+        const float* kt = kp + t * h;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t d = 0; d < h; ++d) acc += qg[d] * kt[d];
+        sg[t] = acc * scale;
+        top = std::max(top, sg[t]);
+      }
+      const float corr = std::exp(m[g] - top);  // exp(-inf) = 0 on the first page
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < n; ++t) {
+        sg[t] = std::exp(sg[t] - top);
+        sum += sg[t];
+      }
+      l[g] = l[g] * corr + sum;
+      m[g] = top;
+      float* og = o + g * h;
+      if (corr != 1.0f) {
+#pragma omp simd
+        for (int64_t d = 0; d < h; ++d) og[d] *= corr;
+      }
+    }
+    const float* vp = Rows(v + at, h, n, vbuf);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* vt = vp + t * h;
+      for (int64_t g = 0; g < g_n; ++g) {
+        const float p = sc[g * ps + t];
+        float* og = o + g * h;
+#pragma omp simd
+        for (int64_t d = 0; d < h; ++d) og[d] += p * vt[d];
+      }
+    }
+  }
+  for (int64_t g = 0; g < g_n; ++g) {
+    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+    float* og = o + g * h;
+#pragma omp simd
+    for (int64_t d = 0; d < h; ++d) og[d] *= inv;
+  }
+}
+
+// Shared by the calling thread and the pool's tasks; heap-held so that a task the pool
+// starts after the call returned finds no work left and touches nothing else.
+struct Work {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t total = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+template <typename T>
+void RunItems(const std::shared_ptr<Work>& w, const Shapes& s, const float* q, const T* k,
+              const T* v, const int32_t* table, const int32_t* length, float* out,
+              float scale) {
+  std::vector<float> scratch(s.group * s.page_size + 2 * s.page_size * s.dim);
+  int64_t finished = 0;
+  for (int64_t i = w->next.fetch_add(1); i < w->total; i = w->next.fetch_add(1)) {
+    AttendOne(s, q, k, v, table, length, out, scale, i, scratch);
+    ++finished;
+  }
+  if (finished && w->done.fetch_add(finished) + finished == w->total) {
+    std::lock_guard<std::mutex> lock(w->mu);
+    w->cv.notify_all();
+  }
+}
+
+template <typename T>
+ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const float* q, const T* k,
+                  const T* v, const int32_t* table, const int32_t* length, float* out,
+                  float scale) {
+  auto w = std::make_shared<Work>();
+  w->total = s.rows * s.kv_heads;
+  // Enough items per task that scheduling stays small next to the work.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t helpers = std::min<int64_t>(threads, w->total / 2) - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([=]() { RunItems(w, s, q, k, v, table, length, out, scale); });
+  }
+  RunItems(w, s, q, k, v, table, length, out, scale);
+  std::unique_lock<std::mutex> lock(w->mu);
+  w->cv.wait(lock, [&] { return w->done.load() == w->total; });
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                          ffi::AnyBuffer v, ffi::Buffer<ffi::S32> table,
+                          ffi::Buffer<ffi::S32> length, ffi::ResultBuffer<ffi::F32> out,
+                          float scale) {
+  auto qd = q.dimensions(), kd = k.dimensions(), td = table.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || v.dimensions().size() != 4) {
+    return ffi::Error::InvalidArgument("paged attention: q [R,N,H], k/v [K,P,T,H], table [R,M]");
+  }
+  Shapes s{qd[0], qd[1], kd[0], 0, qd[2], kd[1], kd[2], td[1]};
+  if (s.kv_heads <= 0 || s.heads % s.kv_heads || kd[3] != s.dim || td[0] != s.rows ||
+      length.dimensions()[0] != s.rows || k.element_type() != v.element_type()) {
+    return ffi::Error::InvalidArgument("paged attention: inconsistent shapes or dtypes");
+  }
+  s.group = s.heads / s.kv_heads;
+  if (s.group > kMaxGroup) {
+    return ffi::Error::InvalidArgument("paged attention: more than 64 query heads per kv head");
+  }
+  const float* qp = q.typed_data();
+  const int32_t* tp = table.typed_data();
+  const int32_t* lp = length.typed_data();
+  float* op = out->typed_data();
+  switch (k.element_type()) {
+    case ffi::F32:
+      return Attend(pool, s, qp, k.typed_data<float>(), v.typed_data<float>(), tp, lp, op,
+                    scale);
+    case ffi::BF16:
+      return Attend(pool, s, qp, static_cast<const uint16_t*>(k.untyped_data()),
+                    static_cast<const uint16_t*>(v.untyped_data()), tp, lp, op, scale);
+    default:
+      return ffi::Error::InvalidArgument("paged attention: k/v must be float32 or bfloat16");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PhotonPagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
