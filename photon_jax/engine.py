@@ -122,7 +122,7 @@ class Engine:
                                page_size=page_size, prefix_len=cfg.prefix_len,
                                prefill_tokens=prefill_tokens, prefix_cache=prefix_cache,
                                reprepare=self._reprepare,
-                               record_events=record_events)
+                               record_events=record_events, share_prefix=not self.sweep)
         self.pipe = PipelineState()
         self.steps_log: collections.deque[StepRecord] = collections.deque(maxlen=log_steps)
         self.counters = collections.Counter()
@@ -347,8 +347,9 @@ class Engine:
                         put(np.zeros((rb, tb, 2), np.float32)), put(pre), put(write),
                         put(table))
         zero = [0] * self.sched.prefix_pages
-        self.dev.pool = P.copy_pages(self.dev.pool, put(np.asarray(zero, _I32)),
-                                 put(np.asarray(zero, _I32)))
+        copied = np.zeros(self.sched.prefix_pages - self.sched.shared_pages, _I32)
+        if copied.size:
+            self.dev.pool = P.copy_pages(self.dev.pool, put(copied), put(copied))
         for hw in ((768, 1024), (1024, 768), (1024, 1024)):
             prep = frontend.prepare_image(self.model, np.full((*hw, 3), 128, np.uint8))
             self._write_prefix(frontend.encode_prepared(self.model, prep), zero)
@@ -484,11 +485,14 @@ class Engine:
                 if src is not None:
                     s.handle._prefix_hit = src[0] == "hit"
                 if src is not None and src[0] == "hit":
+                    # Copy what the request does not read in place (all of the prefix's
+                    # pages for the sweep; the last, partial one for the kernels).
                     self.sched.cache.count_hit()
-                    dst = s.pages[:self.sched.prefix_pages]
-                    self.dev.pool = P.copy_pages(self.dev.pool,
-                                                 put(np.asarray(src[1].pages, _I32)),
-                                                 put(np.asarray(dst, _I32)))
+                    a, b = s.n_shared, self.sched.prefix_pages
+                    if b > a:
+                        self.dev.pool = P.copy_pages(self.dev.pool,
+                                                     put(np.asarray(src[1].pages[a:b], _I32)),
+                                                     put(np.asarray(s.pages[a:b], _I32)))
                 elif isinstance(img, ImagePrefix):
                     self._write_prefix(img, s.pages)
                 elif src is not None:   # a miss: encode, into its pages and the new entry's

@@ -42,6 +42,8 @@ class Seq:
         self.source = None        # at admission: ("hit", entry) / ("miss", entry or None) / None
         self.need_pages = 0       # pages of the whole budget, reserved at admission
         self.pages: list[int] = []   # assigned pages, logical order
+        self.n_shared = 0         # leading pages that are a cache entry's (read, never written)
+        self.shared = None        # that entry's key (pinned until the pages are freed)
         self.reserved = 0         # pages still promised to it (assigned lazily)
         self.row = 0
         self.length = 0           # GPU clock: next KV position written (advanced at launch)
@@ -61,16 +63,22 @@ class Scheduler:
     prefix_len: positions of an image prefix.  prefill_tokens: prompt positions one prefill
     launch may take.  reprepare(seq): prepare a request's image again (its crops were skipped
     on a predicted cache hit that was evicted since); the engine sets `seq.prep` and wakes
-    itself when it is done."""
+    itself when it is done.  share_prefix: requests read the full pages of their image's
+    cache entry in place (decode attention through page tables: the kernels); else they
+    get copies (the XLA sweep gives each page one owner row)."""
 
     def __init__(self, *, max_batch_size: int, n_pages: int, page_size: int,
                  prefix_len: int, prefill_tokens: int, prefix_cache: bool = True,
-                 reprepare: Callable[[Seq], None] | None = None, record_events: bool = False):
+                 reprepare: Callable[[Seq], None] | None = None, record_events: bool = False,
+                 share_prefix: bool = False):
         self.max_batch_size, self.page_size = max_batch_size, page_size
         self.prefill_tokens = prefill_tokens
         self.alloc = PageAllocator(n_pages)
         self.cache = PrefixCache(self.alloc, enabled=prefix_cache)
         self.prefix_pages = pages_for(prefix_len, page_size)
+        # Full pages of a prefix (shared when allowed); the last, partial one is copied, as
+        # the request's prompt is written into the rest of it.
+        self.shared_pages = prefix_len // page_size if share_prefix else 0
         self.reprepare = reprepare
         self.free_rows = list(range(max_batch_size, 0, -1))   # pop() hands out the lowest
         self.waiting: collections.deque[Seq] = collections.deque()
@@ -132,20 +140,35 @@ class Scheduler:
             return "later"
         return ("miss", None)
 
-    def admit_pages(self, s: Seq, keep: set) -> bool:
+    def admit_pages(self, s: Seq, keep: set, shared: int = 0) -> bool:
         """Reserve the request's pages (evicting unpinned cached prefixes least recently used
-        first if needed) and assign those of its prompt.  False: not now (it waits)."""
-        need = s.need_pages
+        first if needed) and assign those of its prompt, but the first `shared` (a cache
+        hit's pages it will read: `share`).  False: not now (it waits)."""
+        need = s.need_pages - shared
         if self.alloc.available() < need:
             self.cache.evict_for(need, keep)
             if self.alloc.available() < need:
                 return False
         self.alloc.reserve(need)
         s.reserved = need
-        n = pages_for(s.prompt_end, self.page_size) if s.skill is not None else 0
+        n = pages_for(s.prompt_end, self.page_size) - shared if s.skill is not None else 0
         s.pages = self.alloc.take(n, reserved=True)
         s.reserved -= n
         return True
+
+    def share(self, s: Seq, entry, owned: bool) -> None:
+        """The request reads the full prefix pages of `entry` in place of its own, and pins
+        the entry until its pages are freed.  `owned`: its own pages for them were assigned
+        (a miss, whose entry was made after admission) and go back now."""
+        n = self.shared_pages
+        if not n or entry is None:
+            return
+        if owned:
+            self.alloc.give_back(s.pages[:n])
+            s.pages = s.pages[n:]
+        s.pages = entry.pages[:n] + s.pages
+        s.n_shared, s.shared = n, entry.key
+        self.cache.pin(entry.key)
 
     def cache_miss(self, s: Seq, keep: set):
         """A cache entry for a miss's prefix (evicting older ones if needed), or None when
@@ -210,12 +233,14 @@ class Scheduler:
                 continue
             if src == "later":
                 continue
-            if not self.admit_pages(s, keep):
+            hit = src is not None and src[0] == "hit"
+            if not self.admit_pages(s, keep, self.shared_pages if hit else 0):
                 break
             if src is not None:
                 keep.add(s.key)
                 if src[0] == "miss":
                     src = ("miss", self.cache_miss(s, keep))
+                self.share(s, src[1], owned=not hit)
             s.source = src
             batch.append(s)
             tokens += s.prompt_end
@@ -317,9 +342,11 @@ class Scheduler:
             self.outbox.append((s.handle, s.outcome))
 
     def free_pages(self, s: Seq) -> None:
-        self.alloc.give_back(s.pages)
+        self.alloc.give_back(s.pages[s.n_shared:])
         self.alloc.unreserve(s.reserved)
-        s.pages, s.reserved = [], 0
+        if s.shared is not None:
+            self.cache.unpin(s.shared)
+        s.pages, s.reserved, s.n_shared, s.shared = [], 0, 0, None
 
     def flush_outbox(self) -> None:
         for handle, outcome in self.outbox:

@@ -193,6 +193,46 @@ def test_prefix_cache_hit_miss_and_pins():
     assert sc.cache.evictions == 1
 
 
+def test_shared_prefix_pages_are_read_in_place_pinned_and_never_freed_by_a_request():
+    """With page tables (the kernels), a request whose image is cached reads the entry's
+    full prefix pages in place: it reserves and owns only the rest (the prefix's partial
+    last page is its own copy), the entry stays pinned -- never evicted -- while any such
+    request holds it, and freeing a request gives back its own pages only.  A miss shares
+    the entry it creates too."""
+    sc = scheduler(pages=21, prefix_len=10, share_prefix=True)   # prefix: 2 full + 1 partial
+    assert sc.shared_pages == 2 and sc.prefix_pages == 3
+    a = seq(12, budget=4, image=FakeImage(b"k"), prefix=10)      # 16 positions: 4 pages
+    admit(sc, a)
+    (pa,) = launch_prefill(sc)
+    kind, entry = pa.source
+    assert kind == "miss" and a.pages[:2] == entry.pages[:2] and a.n_shared == 2
+    assert set(a.pages[2:]).isdisjoint(entry.pages) and entry.pins == 1
+    # 3 entry pages + a's own pages (1 of its prompt, 1 reserved for growth).
+    assert sc.alloc.in_use() == 3 + 1 and sc.alloc.reserved == 1
+    b = seq(12, budget=4, image=FakeImage(b"k"), prefix=10)
+    admit(sc, b)
+    (pb,) = launch_prefill(sc)
+    assert pb.source == ("hit", entry) and b.pages[:2] == entry.pages[:2] and entry.pins == 2
+    assert sc.alloc.in_use() == 3 + 1 + 1 and sc.alloc.reserved == 2
+    sc.commit([a, b], [0, 0], [(0, 0)] * 2, 0.0)                 # both finish and release
+    assert entry.pins == 0 and sc.alloc.in_use() == 3 and sc.alloc.reserved == 0
+    # A planned prefill that is not launched gives everything back, the pin included.
+    c = seq(12, budget=4, image=FakeImage(b"k"), prefix=10)
+    admit(sc, c)
+    planned = sc.plan_prefill(False)
+    assert planned == [c] and entry.pins == 1
+    sc.unplan(planned)
+    assert entry.pins == 0 and sc.alloc.in_use() == 3 and sc.alloc.reserved == 0
+    # Pressure while c runs: every evictable page is wanted, but c reads the entry.
+    assert launch_prefill(sc) == [c] and entry.pins == 1
+    sc.cache.evict_for(sc.alloc.usable)
+    assert b"k" in sc.cache.entries
+    sc.commit([c], [0], [(0, 0)], 0.0)
+    sc.cache.evict_for(sc.alloc.usable)
+    assert b"k" not in sc.cache.entries
+    assert sc.alloc.in_use() == 0 and sc.alloc.reserved == 0
+
+
 def test_a_request_blocked_by_pins_fails_alone():
     sc = scheduler(pages=9, prefix_len=8)
     sc.cache.insert(b"pinned", 6, (1, 1), pin=True)
