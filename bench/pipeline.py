@@ -191,10 +191,17 @@ def child(args) -> None:
         emit(busy(build_model(args.config[-1]), args.config[-1], args.aux_batch, args.steps,
                   args.mode))
     if args.md2_bytes:   # compile only, from abstract shapes: nothing of full size exists
-        for dtype in ("bfloat16", "float32"):
-            cfg = CONFIGS["md2"]().with_dtype(dtype)
-            emit({"kind": "bytes", "config": "md2", "dtype": dtype, "mode": args.mode,
-                  **decode_cost(cfg, 32, 1000), **env_info()})
+        import jax
+
+        from photon_jax.step import default_attention
+
+        # This backend's decode attention, and the XLA sweep beside it on CPU.
+        attentions = dict.fromkeys([default_attention(jax.devices()[0].platform), "xla"])
+        for attention in attentions:
+            for dtype in ("bfloat16", "float32"):
+                cfg = CONFIGS["md2"]().with_dtype(dtype)
+                emit({"kind": "bytes", "config": "md2", "dtype": dtype, "mode": args.mode,
+                      **decode_cost(cfg, 32, 1000, attention=attention), **env_info()})
 
 
 def plot(rows: list[dict], path: str) -> bool:

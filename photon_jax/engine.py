@@ -20,8 +20,9 @@ the host blocks only inside commit, on a copy started one step earlier.  The blo
 Memory: K/V live in one paged pool (`kvpool`, `pages`).  A request is admitted when a row
 and the pages of its whole budget (prompt + what it may generate) are free, evicting cached
 image prefixes least-recently-used if needed; pages are assigned lowest-first as it grows
-and come back when its row does.  A request whose image is in the prefix cache copies the
-cached prefix pages instead of running the vision encoder and the prefix prefill.
+and come back when its row does.  A request whose image is in the prefix cache reads the
+cached prefix pages in place (the kernels; the XLA sweep copies them) instead of running the
+vision encoder and the prefix prefill.
 
 Invariants the tests check: at most two steps in flight; a slot is donated again only after
 the commit that read it finished (`pipeline.PipelineState`); a row and its pages are reused
@@ -162,7 +163,8 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters: steps by kind, tokens committed, zombie rows, and the prefix cache's
-        hits, misses, inserts, evictions and current entries."""
+        hits, misses, inserts, evictions, current entries and pinned ones (held by
+        `encode_image` handles or by running requests reading their pages)."""
         c = self.sched.cache
         return {**dict(self.counters),
                 "prefix_cache": {"enabled": c.enabled, "hits": c.hits, "misses": c.misses,

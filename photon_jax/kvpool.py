@@ -10,18 +10,19 @@ handed out: padding rows and padding positions write there, so they corrupt noth
 Why per-layer arrays, and arenas.  On XLA:CPU any slice of a bigger array that feeds a dot is
 copied out first, dynamic or static: a scan over stacked layers copied every layer's weights
 and KV in every step (3x the bytes, measured).  So the serving programs unroll the layers over
-per-layer arrays, and a decode step reads whole arrays only.  Arenas bound what it reads: the
-step takes only the arenas below the highest page any of its rows uses (pages are handed out
-lowest-first), so a step reads the pool up to its live high-water mark, not the whole pool.
-On GPU one arena is used and a Pallas kernel reads each row's pages through its page table.
+per-layer arrays, and a decode step reads whole arrays only.  The kernels (`cpukernel` on CPU,
+JAX's Pallas paged attention on GPU) read one arena through each row's page table up to its
+length; arenas matter only to the XLA sweep, which then takes only the arenas below the
+highest page any of its rows uses (pages are handed out lowest-first), so it reads the pool
+up to its live high-water mark, not the whole pool.
 
-Decode attention (`decode_attend`, XLA): every page of the swept arenas is scored against its
-owner row's query in one batched matmul (K pages) and one for V -- each KV element read once,
-in place -- giving per-page partials (max, sum, weighted V).  The partials of a row are then
-gathered in the row's *logical* page order and combined (the flash-decoding rescale), so a
-row's result depends on its own pages only: not on where they lie, not on other rows, and
-rows never pay for another row's length.  Pages of the swept arenas that no row of the step
-owns are read and masked (the cost of reading in place on XLA:CPU).
+Decode attention, XLA sweep (`decode_attend`, the fallback without a C++ compiler): every
+page of the swept arenas is scored against its owner row's query in one batched matmul (K
+pages) and one for V -- each KV element read once, in place -- giving per-page partials
+(max, sum, weighted V).  The partials of a row are then gathered in the row's *logical* page
+order and combined (the flash-decoding rescale), so a row's result depends on its own pages
+only.  Pages of the swept arenas that no row of the step owns are read and masked, and each
+page has one owner row (no shared pages).
 
 Prefill attention gathers the rows' pages into a contiguous [R, S, K, H] view (prefill is
 compute-bound; the gather is small next to it) and runs the ordinary masked attention, so

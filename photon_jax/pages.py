@@ -6,18 +6,18 @@ Pages.  A request reserves, at admission, the pages of its whole budget (prompt 
 generate, capped by its context), as Photon does: once admitted it never waits for memory
 and nothing is preempted.  Pages are *assigned* lazily from that reservation (the prompt's at
 prefill, one more each time decoding crosses a page boundary) and always the lowest free
-ones, so the live pages of the running rows stay packed at the bottom of the pool, which is
-all a decode step reads.  Prefix-cache entries take the highest free pages instead.  Page 0
+ones, so the live pages of the running rows stay packed at the bottom of the pool (all the
+XLA sweep reads).  Prefix-cache entries take the highest free pages instead.  Page 0
 is never handed out (padding writes land there).
 
 Prefix cache.  An entry holds the KV of BOS + the image tokens (the 730-position prefix) of
 one image, keyed by a hash of the image's decoded pixels, in pool pages.  A request whose
-image hits copies those pages into its own (one page-granular device copy) instead of
-running the vision encoder and the prefix prefill.  Entries are pinned by `encode_image`
-handles (never evicted while pinned) and otherwise evicted least-recently-used when an
-admission needs their pages.  A request never shares pages with an entry or another
-request: the decode sweep scores each page against one owner row (see `kvpool`), and the
-copy costs about as much as one decode step reads.
+image hits reads the entry's full pages in place, as the head of its own page table (decode
+attention through page tables: the kernels), and gets a copy of the last, partial page,
+whose remaining positions its prompt fills; with the XLA sweep, which scores each page
+against one owner row (see `kvpool`), it copies every prefix page instead.  Entries are
+pinned by `encode_image` handles and by the requests reading them (never evicted while
+pinned) and otherwise evicted least-recently-used when an admission needs their pages.
 """
 
 from __future__ import annotations
