@@ -407,7 +407,11 @@ def test_a_pinned_prefix_is_never_evicted(model, encoded):
         pinned.release()
         eng.submit(Request("text", eng.model.prompts.caption("short"), IMAGES[1], s)).result(
             timeout=300)
-        assert eng.stats()["prefix_cache"]["pinned"] == 0
+        # The handle's pin is gone (the engine processed the release before that request).
+        # (The request itself pins its own image's entry until its row is released, one
+        # commit after its result: that entry may still count as pinned here.)
+        entry = eng.sched.cache.entries.get(pinned.key)
+        assert entry is None or entry.pins == 0
     finally:
         eng.close()
     assert (eng.sched.alloc.in_use(), eng.sched.alloc.reserved) == (0, 0)
