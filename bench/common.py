@@ -244,7 +244,7 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     import jax.numpy as jnp
     import numpy as np
 
-    from photon_jax import memory, step as step_mod
+    from photon_jax import cpukernel, memory, step as step_mod
     from photon_jax.params import abstract_params
     from photon_jax.text import unstack_layers
 
@@ -293,7 +293,7 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     # the compiled GPU program and counted by XLA.)
     kernel = 0
     if attention == "cpu-kernel":
-        kernel = kv + 2 * t.n_layers * batch * t.n_heads * t.head_dim * 4
+        kernel = cpukernel.bytes_accessed(kv, t.n_layers, batch, t.n_heads, t.head_dim)
     total = xla_bytes + kernel
     return {"batch": batch, "position": position, "page_size": page_size,
             "attention": attention, "bytes_accessed": total, "xla_bytes_accessed": xla_bytes,

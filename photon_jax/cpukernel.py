@@ -14,8 +14,8 @@ Building.  `c++` (or `$CXX`) with `-O3 -march=native`, against the FFI headers o
 installed jaxlib; the library goes to `$XDG_CACHE_HOME/photon_jax/kernels` (default
 `~/.cache/photon_jax/kernels`, or `$PHOTON_JAX_KERNEL_DIR`), named by a hash of the source,
 the flags, the jaxlib version and the CPU, so a change of any of them builds anew.  It takes
-a few seconds once.  Without a compiler (or if the build fails) `available()` is False with
-the reason, and CPU models fall back to the XLA sweep (`step.default_attention`), with one
+a few seconds once.  Without a compiler (or if the build fails) `load()` is False with
+the reason (`reason()`), and CPU models fall back to the XLA sweep (`step.default_attention`), with one
 warning naming the reason and the fix.
 """
 
@@ -124,10 +124,6 @@ def load() -> bool:
         return _state["ok"]
 
 
-def available() -> bool:
-    return load()
-
-
 def reason() -> str:
     """Why the kernel is not available ("" if it is, or was never tried)."""
     return _state.get("reason", "")
@@ -143,3 +139,10 @@ def attend(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R):
         q_RQH.astype(F32), k_KPTH, v_KPTH, pt_RM.astype(jnp.int32),
         length_R.astype(jnp.int32), scale=np.float32(q_RQH.shape[-1] ** -0.5))
     return out.astype(q_RQH.dtype)
+
+
+def bytes_accessed(kv_bytes: int, n_layers: int, rows: int, n_heads: int, head_dim: int) -> int:
+    """What the kernel reads and writes in one decode step over every layer: each attended
+    K/V element once (`kv_bytes`), the float32 queries and outputs.  XLA's cost analysis sees
+    a custom call as reading nothing, so benchmarks add this to its figure."""
+    return kv_bytes + 2 * n_layers * rows * n_heads * head_dim * 4

@@ -458,6 +458,15 @@ class Engine:
         self.dev.pool = self.programs.write_prefix_pages(self.dev.pool, enc.k, enc.v,
                                                          put(page_s), put(off_s))
 
+    def _copy_unshared(self, s: Seq, entry) -> None:
+        """The prefix pages of `entry` the request does not read in place, copied into its
+        own: all of them for the XLA sweep, the last, partial one for the kernels."""
+        a, b = self.sched.n_shared(s), self.sched.prefix_pages
+        if b > a:
+            put = lambda x: jax.device_put(np.asarray(x, _I32), self.device)  # noqa: E731
+            self.dev.pool = self.programs.copy_pages(self.dev.pool, put(entry.pages[a:b]),
+                                                     put(s.pages[a:b]))
+
     def _launch_prefill(self, batch: list[Seq], slot: int) -> None:
         t0 = time.perf_counter()
         P, params = self.programs, self.model.params
@@ -487,22 +496,18 @@ class Engine:
                 if src is not None:
                     s.handle._prefix_hit = src[0] == "hit"
                 if src is not None and src[0] == "hit":
-                    # Copy what the request does not read in place (all of the prefix's
-                    # pages for the sweep; the last, partial one for the kernels).
                     self.sched.cache.count_hit()
-                    a, b = s.n_shared, self.sched.prefix_pages
-                    if b > a:
-                        self.dev.pool = P.copy_pages(self.dev.pool,
-                                                     put(np.asarray(src[1].pages[a:b], _I32)),
-                                                     put(np.asarray(s.pages[a:b], _I32)))
+                    self._copy_unshared(s, src[1])
                 elif isinstance(img, ImagePrefix):
                     self._write_prefix(img, s.pages)
-                elif src is not None:   # a miss: encode, into its pages and the new entry's
+                elif src is not None:   # a miss: encode once, into the new entry if any
                     self.sched.cache.count_miss()
                     enc = frontend.encode_prepared(self.model, img)
-                    self._write_prefix(enc, s.pages)
-                    if src[1] is not None:
+                    if src[1] is None:
+                        self._write_prefix(enc, s.pages)
+                    else:
                         self._write_prefix(enc, src[1].pages)
+                        self._copy_unshared(s, src[1])
                 s.image = s.source = None   # the prefix now lives in its pages
             meta_d = put(pre)
             dev = self.dev

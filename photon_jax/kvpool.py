@@ -271,18 +271,18 @@ class PrefillAccess:
 
 @flax.struct.dataclass
 class DecodeAccess:
-    """One new position per row; attention over the pages of the arenas given, by `attend`:
-    "sweep" (the XLA sweep, any backend), "cpu-kernel" (`cpukernel`: XLA:CPU), "pallas"
-    (JAX's Pallas GPU kernel) or "pallas-interpret" (the same run on CPU: tests).  The two
-    kernels read one arena through the rows' page tables and lengths; the sweep reads every
-    page of the arenas given, with owner_P / count_P."""
+    """One new position per row; attention over the pages of the arenas given, by `attend`
+    (`step.ATTENTION`): "xla" (the sweep, any backend), "cpu-kernel" (`cpukernel`:
+    XLA:CPU), "pallas" (JAX's Pallas GPU kernel) or "pallas-interpret" (the same run on CPU:
+    tests).  The kernels read one arena through the rows' page tables and lengths; the sweep
+    reads every page of the arenas given, with owner_P / count_P."""
     page_R: jax.Array
     off_R: jax.Array
     owner_P: jax.Array
     count_P: jax.Array
     pt_RM: jax.Array
     length_R: jax.Array
-    attend: str = flax.struct.field(pytree_node=False, default="sweep")
+    attend: str = flax.struct.field(pytree_node=False, default="xla")
 
     def update(self, pool: KVPool, li: int, q, k, v, pos_RT):
         if self.attend.startswith("pallas"):   # GPU: one scatter per arena (one kernel)
@@ -291,7 +291,7 @@ class DecodeAccess:
         else:
             ks, vs = write_rows(pool.k[li], pool.v[li], self.page_R, self.off_R, k[:, 0],
                                 v[:, 0])
-        if self.attend == "sweep":
+        if self.attend == "xla":
             a = decode_attend(ks, vs, q[:, 0], self.owner_P, self.count_P, self.pt_RM)
         elif self.attend == "cpu-kernel":
             if len(ks) != 1:

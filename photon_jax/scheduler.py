@@ -42,8 +42,8 @@ class Seq:
         self.source = None        # at admission: ("hit", entry) / ("miss", entry or None) / None
         self.need_pages = 0       # pages of the whole budget, reserved at admission
         self.pages: list[int] = []   # assigned pages, logical order
-        self.n_shared = 0         # leading pages that are a cache entry's (read, never written)
-        self.shared = None        # that entry's key (pinned until the pages are freed)
+        self.shared = None        # key of the cache entry whose full prefix pages lead
+                                  # `pages` (read, never written; pinned until freed)
         self.reserved = 0         # pages still promised to it (assigned lazily)
         self.row = 0
         self.length = 0           # GPU clock: next KV position written (advanced at launch)
@@ -167,8 +167,12 @@ class Scheduler:
             self.alloc.give_back(s.pages[:n])
             s.pages = s.pages[n:]
         s.pages = entry.pages[:n] + s.pages
-        s.n_shared, s.shared = n, entry.key
+        s.shared = entry.key
         self.cache.pin(entry.key)
+
+    def n_shared(self, s: Seq) -> int:
+        """How many leading pages of the request are its cache entry's (0: none)."""
+        return self.shared_pages if s.shared is not None else 0
 
     def cache_miss(self, s: Seq, keep: set):
         """A cache entry for a miss's prefix (evicting older ones if needed), or None when
@@ -342,11 +346,11 @@ class Scheduler:
             self.outbox.append((s.handle, s.outcome))
 
     def free_pages(self, s: Seq) -> None:
-        self.alloc.give_back(s.pages[s.n_shared:])
+        self.alloc.give_back(s.pages[self.n_shared(s):])
         self.alloc.unreserve(s.reserved)
         if s.shared is not None:
             self.cache.unpin(s.shared)
-        s.pages, s.reserved, s.n_shared, s.shared = [], 0, 0, None
+        s.pages, s.reserved, s.shared = [], 0, None
 
     def flush_outbox(self) -> None:
         for handle, outcome in self.outbox:

@@ -184,7 +184,7 @@ def decode_access(meta_FR, pages_2P, *, attention: str) -> DecodeAccess:
     return DecodeAccess(page_R=meta_FR[M_PAGE], off_R=meta_FR[M_OFF],
                         owner_P=pages_2P[P_OWNER], count_P=pages_2P[P_COUNT],
                         pt_RM=meta_FR[M_TABLE:].T, length_R=meta_FR[M_POS] + 1,
-                        attend="sweep" if attention == "xla" else attention)
+                        attend=attention)
 
 
 def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_2P, *, cfg,

@@ -191,6 +191,13 @@ def test_cpu_kernel_equals_dense_attention(kh, g, dtype):
         jnp.asarray(k2, dt), jnp.asarray(v2, dt), jnp.asarray(q), jnp.asarray(tables),
         jnp.asarray(lengths)))
     np.testing.assert_array_equal(out2, out)
+    # A table naming a page outside the pool (a bookkeeping bug) fails the call, loudly.
+    bad = tables.copy()
+    bad[1, 0] = p
+    with pytest.raises(Exception, match="outside the pool"):
+        jax.block_until_ready(jax.jit(cpukernel.attend)(
+            jnp.asarray(k, dt), jnp.asarray(v, dt), jnp.asarray(q), jnp.asarray(bad),
+            jnp.asarray(lengths)))
 
 
 def test_cpu_kernel_falls_back_to_the_sweep_without_a_compiler(monkeypatch, caplog):
@@ -200,7 +207,6 @@ def test_cpu_kernel_falls_back_to_the_sweep_without_a_compiler(monkeypatch, capl
 
     monkeypatch.setattr(cpukernel, "_state", {})
     monkeypatch.setattr(cpukernel, "_compiler", lambda: None)
-    monkeypatch.setattr(cpukernel, "_library_path", lambda cxx: "/nonexistent.so")
     with caplog.at_level("WARNING"):
         assert step_mod.default_attention("cpu") == "xla"
     assert "no C++ compiler" in cpukernel.reason() and "falls back" in caplog.text
@@ -338,6 +344,8 @@ def test_an_evicted_prefix_is_recreated_exactly(model, encoded):
             assert eng.submit(r).result(timeout=300)["ids"] == ref_ids(model, encoded, r)
         st = eng.stats()["prefix_cache"]
         assert (st["inserts"], st["evictions"], st["hits"], st["misses"]) == (3, 2, 1, 3)
+        # On CPU with the kernel, hits and misses read the entry's full pages in place.
+        assert eng.sched.shared_pages == (0 if eng.sweep else model.cfg.prefix_len // page)
     finally:
         eng.close()
     assert (eng.sched.alloc.in_use(), eng.sched.alloc.reserved) == (0, 0)

@@ -205,7 +205,7 @@ def test_shared_prefix_pages_are_read_in_place_pinned_and_never_freed_by_a_reque
     admit(sc, a)
     (pa,) = launch_prefill(sc)
     kind, entry = pa.source
-    assert kind == "miss" and a.pages[:2] == entry.pages[:2] and a.n_shared == 2
+    assert kind == "miss" and a.pages[:2] == entry.pages[:2] and sc.n_shared(a) == 2
     assert set(a.pages[2:]).isdisjoint(entry.pages) and entry.pins == 1
     # 3 entry pages + a's own pages (1 of its prompt, 1 reserved for growth).
     assert sc.alloc.in_use() == 3 + 1 and sc.alloc.reserved == 1

@@ -63,8 +63,9 @@ struct Shapes {
 };
 
 // One (row, kv head): the attention of that kv head's `group` query heads.
+// False if the row's table names a page outside the pool (the call then fails).
 template <typename T>
-void AttendOne(const Shapes& s, const float* q, const T* k, const T* v, const int32_t* table,
+bool AttendOne(const Shapes& s, const float* q, const T* k, const T* v, const int32_t* table,
                const int32_t* length, float* out, float scale, int64_t item,
                std::vector<float>& scratch) {
   const int64_t r = item / s.kv_heads, kh = item % s.kv_heads;
@@ -73,7 +74,7 @@ void AttendOne(const Shapes& s, const float* q, const T* k, const T* v, const in
   float* o = out + (r * s.heads + kh * g_n) * h;
   std::fill(o, o + g_n * h, 0.0f);
   int64_t len = std::min<int64_t>(length[r], s.table_width * ps);
-  if (len <= 0) return;
+  if (len <= 0) return true;
 
   // scratch: scores [group, page_size], then two page buffers (bf16 widening).
   float* sc = scratch.data();
@@ -89,7 +90,7 @@ void AttendOne(const Shapes& s, const float* q, const T* k, const T* v, const in
   const int64_t n_pages = (len + ps - 1) / ps;
   for (int64_t j = 0; j < n_pages; ++j) {
     const int64_t page = table[r * s.table_width + j];
-    if (page < 0 || page >= s.pages) continue;  // never produced by the engine
+    if (page < 0 || page >= s.pages) return false;  // a bookkeeping bug: reported
     const int64_t n = std::min<int64_t>(ps, len - j * ps);
     const int64_t at = kh * head_stride + page * page_elems;
     const float* kp = Rows(k + at, h, n, kbuf);
@@ -137,6 +138,7 @@ void AttendOne(const Shapes& s, const float* q, const T* k, const T* v, const in
 #pragma omp simd
     for (int64_t d = 0; d < h; ++d) og[d] *= inv;
   }
+  return true;
 }
 
 // Shared by the calling thread and the pool's tasks; heap-held so that a task the pool
@@ -144,6 +146,7 @@ void AttendOne(const Shapes& s, const float* q, const T* k, const T* v, const in
 struct Work {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
+  std::atomic<bool> bad_page{false};
   int64_t total = 0;
   std::mutex mu;
   std::condition_variable cv;
@@ -156,7 +159,7 @@ void RunItems(const std::shared_ptr<Work>& w, const Shapes& s, const float* q, c
   std::vector<float> scratch(s.group * s.page_size + 2 * s.page_size * s.dim);
   int64_t finished = 0;
   for (int64_t i = w->next.fetch_add(1); i < w->total; i = w->next.fetch_add(1)) {
-    AttendOne(s, q, k, v, table, length, out, scale, i, scratch);
+    if (!AttendOne(s, q, k, v, table, length, out, scale, i, scratch)) w->bad_page = true;
     ++finished;
   }
   if (finished && w->done.fetch_add(finished) + finished == w->total) {
@@ -180,6 +183,10 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const float* q, const T
   RunItems(w, s, q, k, v, table, length, out, scale);
   std::unique_lock<std::mutex> lock(w->mu);
   w->cv.wait(lock, [&] { return w->done.load() == w->total; });
+  if (w->bad_page) {
+    return ffi::Error::InvalidArgument("paged attention: a page table names a page outside "
+                                       "the pool");
+  }
   return ffi::Error::Success();
 }
 
