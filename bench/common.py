@@ -267,9 +267,10 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes[:n_arenas],
                                         page_size=page_size, max_batch_size=batch)
     prog = step_mod.build(cfg, attention).forward
-    compiled = prog.lower(params, dev.pool, dev.slots[0], dev.pending,
-                          jax.ShapeDtypeStruct(metas[0].shape, jnp.int32),
-                          jax.ShapeDtypeStruct(pages[0].shape, jnp.int32)).compile()
+    args = (params, dev.pool, dev.slots[0], dev.pending,
+            jax.ShapeDtypeStruct(metas[0].shape, jnp.int32),
+            jax.ShapeDtypeStruct(pages[0].shape, jnp.int32))
+    compiled = prog.lower(*args).compile()
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, list) else ca
     t, itemsize = cfg.text, jnp.dtype(cfg.dtype).itemsize
@@ -291,9 +292,12 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     # the kernel reads and writes -- every attended K/V element once, the queries, the
     # outputs (float32) -- so the figure is the whole step's.  (The Pallas kernel is part of
     # the compiled GPU program and counted by XLA.)
+    # The dense kernel (decode steps of 4 rows or more on CPU, float32) likewise: its calls
+    # read their weights and inputs whole and write their outputs.
     kernel = 0
     if attention == "cpu-kernel":
         kernel = cpukernel.bytes_accessed(kv, t.n_layers, batch, t.n_heads, t.head_dim)
+        kernel += cpukernel.dense_bytes_accessed(jax.make_jaxpr(prog)(*args))
     total = xla_bytes + kernel
     return {"batch": batch, "position": position, "page_size": page_size,
             "attention": attention, "bytes_accessed": total, "xla_bytes_accessed": xla_bytes,

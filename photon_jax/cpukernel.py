@@ -1,6 +1,6 @@
-"""The CPU paged decode attention kernel: `csrc/paged_attention.cc`, compiled with the
-machine's C++ compiler on first use, cached on disk, and registered with XLA as an FFI
-custom call (`attend`).
+"""The CPU decode kernels: paged attention (`csrc/paged_attention.cc`, `attend`) and the
+skinny dense products (`csrc/dense.cc`, `dense`), compiled together with the machine's C++
+compiler on first use, cached on disk, and registered with XLA as FFI custom calls.
 
 Why a hand-written kernel on CPU.  The decode step's attention must read each row's pages
 where they lie and nothing else.  On GPU JAX ships a Pallas kernel that does; Pallas has no
@@ -9,6 +9,12 @@ runs its batched products at about half the machine's read rate and reads every 
 the pool's high-water mark (1.35x the attended KV at 32 rows).  The kernel walks each row's
 page table up to its own length, one online-softmax pass per (row, kv head), spread over
 XLA's intra-op threads: every attended K/V element is read once, and only those.
+
+Why the dense kernel.  A decode step multiplies a few rows by every weight matrix; XLA:CPU
+runs these float32 products at 15-25 GFLOP/s on 2 cores, about a third of what the same cores
+reach on a large product, so at 32 rows they were most of the step.  `dense` packs 16-column
+panels of the weight and runs register-blocked tiles over them (AVX2 + FMA; built for other
+CPUs it reports so through `dense_fast()` and the step keeps XLA's products).
 
 Building.  `c++` (or `$CXX`) with `-O3 -march=native`, against the FFI headers of the
 installed jaxlib; the library goes to `$XDG_CACHE_HOME/photon_jax/kernels` (default
@@ -39,7 +45,9 @@ import numpy as np
 from .dtypes import F32
 
 TARGET = "photon_paged_attention"
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention.cc")
+DENSE_TARGET = "photon_dense"
+_SOURCES = tuple(os.path.join(os.path.dirname(__file__), "csrc", name)
+                 for name in ("paged_attention.cc", "dense.cc"))
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 
 _log = logging.getLogger(__name__)
@@ -71,14 +79,16 @@ def _cpu_id() -> str:
 
 
 def _library_path(cxx: str) -> str:
-    with open(_SOURCE, "rb") as f:
-        src = f.read()
+    srcs = []
+    for name in _SOURCES:
+        with open(name, "rb") as f:
+            srcs.append(f.read())
     h = hashlib.sha256()
-    for part in (src, " ".join(_FLAGS).encode(), cxx.encode(), jaxlib.__version__.encode(),
+    for part in (*srcs, " ".join(_FLAGS).encode(), cxx.encode(), jaxlib.__version__.encode(),
                  platform.machine().encode(), _cpu_id().encode()):
         h.update(part)
         h.update(b"\0")
-    return os.path.join(kernel_dir(), f"paged_attention-{h.hexdigest()[:20]}.so")
+    return os.path.join(kernel_dir(), f"photon_cpu-{h.hexdigest()[:20]}.so")
 
 
 def _build(cxx: str, path: str) -> None:
@@ -88,7 +98,7 @@ def _build(cxx: str, path: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), _SOURCE, "-o", tmp]
+        cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), *_SOURCES, "-o", tmp]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{res.stderr[-2000:]}")
@@ -114,7 +124,10 @@ def load() -> bool:
             lib = ctypes.cdll.LoadLibrary(path)
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PhotonPagedAttention),
                                         platform="cpu")
-            _state.update(ok=True, reason="", path=path, lib=lib)
+            jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(lib.PhotonDense),
+                                        platform="cpu")
+            _state.update(ok=True, reason="", path=path, lib=lib,
+                          dense_fast=bool(lib.photon_dense_simd()))
         except Exception as e:   # noqa: BLE001 -- any failure means: use the XLA sweep
             _state.update(ok=False, reason=f"{type(e).__name__}: {e}")
             _log.warning("photon_jax: the CPU paged-attention kernel is not available (%s); "
@@ -141,8 +154,52 @@ def attend(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R):
     return out.astype(q_RQH.dtype)
 
 
+def dense_fast() -> bool:
+    """Whether `dense` beats XLA's products here: the kernels load and were built with AVX2
+    and FMA (x86-64 CPUs since 2013-2015).  The decode step uses it only then."""
+    return load() and _state["dense_fast"]
+
+
+def dense(x_MK, w, b_N, transposed: bool = False):
+    """[M, N] float32: x @ w + b, w [K, N] (or [N, K] with `transposed`), summed in k order
+    in float32, the bias added last.  Must run on CPU; call `load()` first."""
+    if not load():
+        raise RuntimeError(f"the CPU kernels are not available: {reason()}")
+    n = w.shape[0] if transposed else w.shape[1]
+    return jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct((x_MK.shape[0], n), F32))(
+        x_MK.astype(F32), w.astype(F32), b_N.astype(F32), transposed=transposed)
+
+
+def linear(x, p):
+    """`layers.linear` through `dense`: x [..., K] @ p["w"] [K, N] + p["b"], in x's dtype."""
+    lead = x.shape[:-1]
+    y = dense(x.reshape(-1, x.shape[-1]), p["w"], p["b"])
+    return y.reshape(*lead, y.shape[-1]).astype(x.dtype)
+
+
 def bytes_accessed(kv_bytes: int, n_layers: int, rows: int, n_heads: int, head_dim: int) -> int:
     """What the kernel reads and writes in one decode step over every layer: each attended
     K/V element once (`kv_bytes`), the float32 queries and outputs.  XLA's cost analysis sees
     a custom call as reading nothing, so benchmarks add this to its figure."""
     return kv_bytes + 2 * n_layers * rows * n_heads * head_dim * 4
+
+
+def dense_bytes_accessed(jaxpr) -> int:
+    """What the `dense` calls of a traced program (`jax.make_jaxpr`, nested jaxprs included)
+    read and write: each reads its x, weight and bias whole and writes its output.  XLA's
+    cost analysis counts these custom calls as nothing, like the attention kernel's."""
+    total = 0
+    stack = [getattr(jaxpr, "jaxpr", jaxpr)]
+    while stack:
+        jp = stack.pop()
+        for eqn in jp.eqns:
+            if eqn.primitive.name == "ffi_call" and eqn.params.get("target_name") == DENSE_TARGET:
+                total += sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
+                             for v in (*eqn.invars, *eqn.outvars))
+            for val in eqn.params.values():
+                for sub in (val if isinstance(val, (tuple, list)) else (val,)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        stack.append(inner)
+    return total
+

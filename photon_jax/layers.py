@@ -34,9 +34,10 @@ def gelu_tanh(x):
     return jax.nn.gelu(x.astype(F32), approximate=True).astype(x.dtype)
 
 
-def mlp(x, p):
-    """fc1 -> GELU(tanh) -> fc2; p = {"fc1": linear, "fc2": linear}."""
-    return linear(gelu_tanh(linear(x, p["fc1"])), p["fc2"])
+def mlp(x, p, dense=linear):
+    """fc1 -> GELU(tanh) -> fc2; p = {"fc1": linear, "fc2": linear}.  `dense`: what computes
+    a linear layer (`linear`, or the decode step's CPU kernel `cpukernel.linear`)."""
+    return dense(gelu_tanh(dense(x, p["fc1"])), p["fc2"])
 
 
 def attention(q_RTQH, k_RSKH, v_RSKH, mask_RTS=None):

@@ -37,6 +37,7 @@ from . import constraints, cpukernel, kvpool, region, sampling, text, vision
 from .config import MoondreamConfig
 from .dtypes import F32, jnp_dtype
 from .kvpool import DecodeAccess, KVPool, PrefillAccess
+from .layers import linear
 from .meta import (F_LAST, F_PREFIX, F_START, KIND_COORD, KIND_SIZE, KIND_TOKEN,
                    M_OFF, M_PAGE, M_POS, M_ROW, M_TABLE, P_COUNT, P_OWNER)
 from .text import DenseAccess
@@ -188,17 +189,35 @@ def decode_access(meta_FR, pages_2P, *, attention: str) -> DecodeAccess:
 
 
 def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_2P, *, cfg,
-             attention="xla", grouped="blocks"):
+             attention="xla", grouped="blocks", dense=False):
     """One decode step for R rows over the arenas given: inputs gathered on the device from
-    the pending buffers by row (never through the host), logits and hidden into the slot."""
+    the pending buffers by row (never through the host), logits and hidden into the slot.
+    `dense`: the dense layers and LM head on `cpukernel.dense` (`default_dense`)."""
     rows = meta_FR[M_ROW]
     x = input_embeddings(params, cfg, pending.kind[rows], pending.token[rows],
                          pending.value[rows], rows=True)[:, None]
+    kernels = dense and x.shape[0] >= DENSE_MIN_ROWS
     hidden, pool, _ = text.forward(params["text"], cfg.text, x, meta_FR[M_POS][:, None], pool,
                                    decode_access(meta_FR, pages_2P, attention=attention),
-                                   grouped)
+                                   grouped, dense=cpukernel.linear if kernels else linear)
     h = hidden[:, 0]
-    return pool, _into_slot(slot, h, text.logits(params["text"], h))
+    head = partial(cpukernel.dense, transposed=True) if kernels else None
+    return pool, _into_slot(slot, h, text.logits(params["text"], h, head_vd=head))
+
+
+# Below this many rows a step keeps XLA's products even with `dense`: they are weight-read
+# bound there, and XLA streams the weights better than 16-column panels do (measured at 1
+# row: 8-9 ms a step against 16-17 ms with the kernel; even at 2, ahead from 4).
+DENSE_MIN_ROWS = 4
+
+
+def default_dense(cfg: MoondreamConfig, attention: str) -> bool:
+    """Whether decode steps run their dense layers and LM head on `cpukernel.dense`: with
+    the CPU attention kernel (so: on CPU, the kernels built), in float32, where the kernel
+    is vectorized (`cpukernel.dense_fast`).  Prefill keeps XLA's products: with hundreds of
+    rows they run near the machine's peak."""
+    return (attention == "cpu-kernel" and jnp.dtype(cfg.dtype) == jnp.float32
+            and cpukernel.dense_fast())
 
 
 def _into_slot(slot: Slot, h_RD, logits_RV) -> Slot:
@@ -270,7 +289,7 @@ def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, samp_FR, 
 
 
 def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR, *, cfg,
-             attention="xla", grouped="blocks", stochastic=False, region=False):
+             attention="xla", grouped="blocks", dense=False, stochastic=False, region=False):
     """The device-only ceiling: one decode + sample step per entry of the stacked per-step
     metadata, in one `lax.scan` (a static trip count), no host work between steps (token
     indices advance by one per step)."""
@@ -279,7 +298,7 @@ def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR,
         meta, pages = step
         samp = samp_FR.at[S_INDEX].add(i)
         pool, slot = _forward(params, pool, slot, pending, meta, pages, cfg=cfg,
-                              attention=attention, grouped=grouped)
+                              attention=attention, grouped=grouped, dense=dense)
         slot, pending = _sample_step(params, slot, pending, tables, samp, cfg=cfg,
                                      stochastic=stochastic, region=region)
         return (pool, slot, pending, i + 1), None
@@ -409,13 +428,14 @@ def default_grouped(platform: str) -> str:
 
 def build(cfg: MoondreamConfig, attention: str = "xla",
           candidates: int = sampling.DEFAULT_CANDIDATES, grouped: str = "blocks",
-          vision_loop: bool = False) -> Programs:
+          vision_loop: bool = False, dense: bool | None = None) -> Programs:
     """The jitted programs of one config.  Cached per (config, attention, candidates,
     grouped, vision_loop) (configs are frozen and hashable), so loading the same model again
     -- on another device, in another engine -- reuses the compiled executables instead of
     tracing and compiling anew.  `candidates`: the top-p candidate cap (`sampling`);
     `grouped`: the MoE prefill schedule (`moe.schedule`); `vision_loop`: the vision
-    attention's formulation (`default_vision_loop`)."""
+    attention's formulation (`default_vision_loop`); `dense`: decode's dense layers on the
+    CPU kernel (None: `default_dense`)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
     if attention == "cpu-kernel":
@@ -423,11 +443,15 @@ def build(cfg: MoondreamConfig, attention: str = "xla",
             raise ValueError("attention='cpu-kernel': the CPU paged-attention kernel could not "
                              f"be built ({cpukernel.reason()}); install a C++ compiler (g++) "
                              "or pass attention='xla'")
-    return _build(cfg, attention, candidates, grouped, vision_loop)
+    if dense is None:
+        dense = default_dense(cfg, attention)
+    elif dense and not (attention == "cpu-kernel" and cpukernel.dense_fast()):
+        raise ValueError("dense=True needs attention='cpu-kernel' and a CPU with AVX2 and FMA")
+    return _build(cfg, attention, candidates, grouped, vision_loop, dense)
 
 
 @lru_cache(maxsize=16)
-def _build(cfg, attention, candidates, grouped, vision_loop) -> Programs:
+def _build(cfg, attention, candidates, grouped, vision_loop, dense) -> Programs:
     c = {"cfg": cfg}
     g = {"cfg": cfg, "grouped": grouped}   # programs with a text forward (MoE schedules)
     return Programs(
@@ -447,13 +471,15 @@ def _build(cfg, attention, candidates, grouped, vision_loop) -> Programs:
         write_prefix=jax.jit(_write_prefix, donate_argnums=(0,)),
         write_prefix_pages=jax.jit(_write_prefix_pages, donate_argnums=(0,)),
         copy_pages=jax.jit(_copy_pages, donate_argnums=(0,)),
-        forward=jax.jit(partial(_forward, attention=attention, **g), donate_argnums=(1, 2)),
+        forward=jax.jit(partial(_forward, attention=attention, dense=dense, **g),
+                        donate_argnums=(1, 2)),
         prefill_slot=jax.jit(partial(_prefill_slot, **g), donate_argnums=(1, 2)),
         sample_step={(st, rg): jax.jit(partial(_sample_step, stochastic=st, region=rg,
                                                candidates=candidates, **c),
                                        donate_argnums=(1, 2))
                      for st in (False, True) for rg in (False, True)},
-        ceiling=jax.jit(partial(_ceiling, attention=attention, **g), donate_argnums=(1, 2, 3)),
+        ceiling=jax.jit(partial(_ceiling, attention=attention, dense=dense, **g),
+                        donate_argnums=(1, 2, 3)),
     )
 
 

@@ -172,21 +172,23 @@ def stack_layers(params: dict) -> dict:
     return {**params, "text": text}
 
 
-def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "blocks"):
+def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "blocks",
+            dense=linear):
     """Run the decoder on input embeddings -> (hidden before post_ln [R, T, D], kv, routes).
 
     `kv` is a dense `KVCache` or the engine's `kvpool.KVPool`; `access` says where each
     row's K/V are written and what it attends (`DenseAccess`, `kvpool.PrefillAccess`,
     `kvpool.DecodeAccess`).  `routes`: the MoE routing, (expert ids, weights) each
     [Lm, R, T, k] over the MoE layers in order, or None without MoE layers.  `grouped`: the
-    MoE prefill schedule (`moe.schedule`).
+    MoE prefill schedule (`moe.schedule`).  `dense`: what computes the dense layers
+    (`layers.linear`; the CPU decode step passes `cpukernel.linear`).
     """
     r, t, d = x_RTD.shape
     nh, kh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     x, routes = x_RTD, []
     for li, (p, kind) in enumerate(layer_params(pt, cfg)):
         h = layer_norm(x, p["ln"])
-        qkv = linear(h, p["qkv"])
+        qkv = dense(h, p["qkv"])
         q = qkv[..., : nh * hd].reshape(r, t, nh, hd)
         k = qkv[..., nh * hd:(nh + kh) * hd].reshape(r, t, kh, hd)
         v = qkv[..., (nh + kh) * hd:].reshape(r, t, kh, hd)
@@ -200,25 +202,28 @@ def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "bloc
         k = apply_rope(k, pos_RT, cfg)
         kv, a = access.update(kv, li, q, k, v, pos_RT)
         # (x + attn) + mlp, in the reference's order: it matters for bf16 rounding.
-        x = x + linear(a.reshape(r, t, nh * hd), p["proj"])
+        x = x + dense(a.reshape(r, t, nh * hd), p["proj"])
         if kind == "moe":
             m, rt = moe.moe_mlp(p["moe"], h, cfg.moe.experts_per_token, with_routes=True,
                                 grouped=grouped)
             routes.append(rt)
         else:
-            m = mlp(h, p)
+            m = mlp(h, p, dense)
         x = x + m
     if routes:
         routes = tuple(jnp.stack(xs) for xs in zip(*routes))
     return x, kv, routes or None
 
 
-def logits(pt, hidden_RD):
+def logits(pt, hidden_RD, head_vd=None):
     """post_ln + lm_head, float32 logits (rounded through the model dtype first, as the
-    reference's bf16 logits are)."""
+    reference's bf16 logits are).  `head_vd(x_RD, w_VD, b_V)` -> float32 [R, V]: what
+    multiplies by a [V, D] head (an einsum; the CPU decode step passes its kernel)."""
     head, x = pt["lm_head"], layer_norm(hidden_RD, pt["post_ln"])
     if "w" in head:
         return linear(x, head).astype(F32)
+    if head_vd is not None:
+        return head_vd(x, head["w_vd"], head["b"]).astype(x.dtype).astype(F32)
     y = jnp.einsum("...d,vd->...v", x, head["w_vd"], precision=matmul_precision(x.dtype),
                    preferred_element_type=F32)
     return (y + head["b"].astype(F32)).astype(x.dtype).astype(F32)

@@ -5,6 +5,7 @@ and re-created, pinned ones never are, and everything comes back at the end."""
 
 import dataclasses
 import os
+from functools import partial
 import threading
 
 import jax
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import kvpool, memory, meta as M, reference, step as step_mod
+from photon_jax import cpukernel, kvpool, memory, meta as M, reference, step as step_mod, text
 from photon_jax.config import moondream2, moondream3, tiny, tiny_md3
 from photon_jax.engine import Engine, Request, RequestError
 from photon_jax.frontend import EncodedImage
@@ -200,6 +201,30 @@ def test_cpu_kernel_equals_dense_attention(kh, g, dtype):
             jnp.asarray(lengths)))
 
 
+def test_cpu_dense_kernel_equals_float64():
+    """`cpukernel.dense` (the decode step's dense layers on CPU): shapes at every edge of its
+    tiling -- 1 to 13 rows (6-row tiles and each remainder), columns not a multiple of 16 and
+    more than one 128-column work item, k past one 256-deep packed block and not a multiple
+    of 8 -- against float64 and against XLA's product (`layers.linear`); a [K, N] weight and
+    the same weight as [N, K] (`transposed`, the LM head) give the same bits (the same sums
+    in the same order)."""
+    from photon_jax.layers import linear
+
+    assert cpukernel.load(), cpukernel.reason()
+    rng = np.random.default_rng(5)
+    for m, k, n in [(1, 7, 5), (5, 64, 40), (6, 256, 16), (13, 600, 300), (32, 520, 272)]:
+        x = rng.normal(size=(m, k)).astype(np.float32)
+        w = rng.normal(size=(k, n)).astype(np.float32)
+        b = rng.normal(size=n).astype(np.float32)
+        y = np.asarray(jax.jit(cpukernel.dense)(x, w, b))
+        y_t = np.asarray(jax.jit(partial(cpukernel.dense, transposed=True))(x, w.T.copy(), b))
+        assert y.shape == (m, n) and y.dtype == np.float32
+        np.testing.assert_allclose(y, x.astype(np.float64) @ w + b, rtol=1e-5, atol=2e-4)
+        np.testing.assert_array_equal(y_t, y)
+        want = np.asarray(jax.jit(linear)(x, {"w": w, "b": b}))
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=2e-4)
+
+
 def test_cpu_kernel_falls_back_to_the_sweep_without_a_compiler(monkeypatch, caplog):
     """No C++ compiler: CPU models get the XLA sweep (with a warning naming the reason),
     and asking for the kernel by name fails with the fix."""
@@ -212,13 +237,19 @@ def test_cpu_kernel_falls_back_to_the_sweep_without_a_compiler(monkeypatch, capl
     assert "no C++ compiler" in cpukernel.reason() and "falls back" in caplog.text
     with pytest.raises(ValueError, match="install a C\\+\\+ compiler"):
         step_mod.build(tiny(), "cpu-kernel")
+    # The dense kernel goes with it: decode keeps XLA's products.
+    assert not cpukernel.dense_fast() and not step_mod.default_dense(tiny(), "xla")
+    with pytest.raises(ValueError, match="dense=True needs"):
+        step_mod.build(tiny(), "xla", dense=True)
 
 
 def test_pallas_kernel_in_the_model_equals_the_xla_sweep():
     """A whole decode step of the Moondream 3 fixture model (tau attention, MoE) with the
     kernel (interpreted) in place of the sweep, over one arena: rows at ragged positions
     (inside a page, on a page's last and first position, several pages in), pages scattered
-    through the pool: the same logits and the same next tokens."""
+    through the pool: the same logits and the same next tokens.  The "cpu-kernel" model's
+    step also runs its dense layers and LM head on `cpukernel.dense` (4 rows, float32: the
+    program calls it), so that kernel is checked in the model too."""
     cfg = tiny_md3()
     t, page, rows = cfg.text, 16, 4
     params = init_params(jax.random.PRNGKey(3), cfg)
@@ -243,8 +274,14 @@ def test_pallas_kernel_in_the_model_equals_the_xla_sweep():
         m = Model(cfg, params, tok, attention=attention)
         kv = kvpool.KVPool(*(tuple((jnp.asarray(pool[li, j], jnp.float32),)
                                    for li in range(t.n_layers)) for j in range(2)))
-        out = m.programs.forward(m.params, kv, step_mod.init_slot(cfg, rows), pend,
-                                 jnp.asarray(meta), jnp.asarray(pages))[1]
+        args = (m.params, kv, step_mod.init_slot(cfg, rows), pend, jnp.asarray(meta),
+                jnp.asarray(pages))
+        calls = m.programs.forward.lower(*args).as_text().count(cpukernel.DENSE_TARGET)
+        # qkv and proj of every layer, fc1 and fc2 of the plain (not MoE) layers, the LM head.
+        kinds = [kind for _, kind in text.layer_params(m.params["text"], t)]
+        want = 2 * len(kinds) + 2 * kinds.count("dense") + 1
+        assert calls == (want if attention == "cpu-kernel" else 0), (attention, calls, kinds)
+        out = m.programs.forward(*args)[1]
         logits.append(np.array(out.logits))
     for other in logits[1:]:
         np.testing.assert_allclose(other, logits[0], rtol=2e-5, atol=2e-5)
