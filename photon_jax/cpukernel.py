@@ -46,8 +46,9 @@ from .dtypes import F32
 
 TARGET = "photon_paged_attention"
 DENSE_TARGET = "photon_dense"
-_SOURCES = tuple(os.path.join(os.path.dirname(__file__), "csrc", name)
-                 for name in ("paged_attention.cc", "dense.cc"))
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCES = tuple(os.path.join(_CSRC, name) for name in ("paged_attention.cc", "dense.cc"))
+_HEADERS = (os.path.join(_CSRC, "parallel.h"),)
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 
 _log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def _cpu_id() -> str:
 
 def _library_path(cxx: str) -> str:
     srcs = []
-    for name in _SOURCES:
+    for name in (*_SOURCES, *_HEADERS):
         with open(name, "rb") as f:
             srcs.append(f.read())
     h = hashlib.sha256()
@@ -171,9 +172,13 @@ def dense(x_MK, w, b_N, transposed: bool = False):
 
 
 def linear(x, p):
-    """`layers.linear` through `dense`: x [..., K] @ p["w"] [K, N] + p["b"], in x's dtype."""
+    """`layers.linear` through `dense`: x [..., K] times p["w"] [K, N] or p["w_vd"] [N, K],
+    plus p["b"], in x's dtype."""
     lead = x.shape[:-1]
-    y = dense(x.reshape(-1, x.shape[-1]), p["w"], p["b"])
+    if "w_vd" in p:
+        y = dense(x.reshape(-1, x.shape[-1]), p["w_vd"], p["b"], transposed=True)
+    else:
+        y = dense(x.reshape(-1, x.shape[-1]), p["w"], p["b"])
     return y.reshape(*lead, y.shape[-1]).astype(x.dtype)
 
 

@@ -196,13 +196,12 @@ def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_
     rows = meta_FR[M_ROW]
     x = input_embeddings(params, cfg, pending.kind[rows], pending.token[rows],
                          pending.value[rows], rows=True)[:, None]
-    kernels = dense and x.shape[0] >= DENSE_MIN_ROWS
+    product = cpukernel.linear if dense and x.shape[0] >= DENSE_MIN_ROWS else linear
     hidden, pool, _ = text.forward(params["text"], cfg.text, x, meta_FR[M_POS][:, None], pool,
                                    decode_access(meta_FR, pages_2P, attention=attention),
-                                   grouped, dense=cpukernel.linear if kernels else linear)
+                                   grouped, dense=product)
     h = hidden[:, 0]
-    head = partial(cpukernel.dense, transposed=True) if kernels else None
-    return pool, _into_slot(slot, h, text.logits(params["text"], h, head_vd=head))
+    return pool, _into_slot(slot, h, text.logits(params["text"], h, dense=product))
 
 
 # Below this many rows a step keeps XLA's products even with `dense`: they are weight-read
@@ -445,8 +444,9 @@ def build(cfg: MoondreamConfig, attention: str = "xla",
                              "or pass attention='xla'")
     if dense is None:
         dense = default_dense(cfg, attention)
-    elif dense and not (attention == "cpu-kernel" and cpukernel.dense_fast()):
-        raise ValueError("dense=True needs attention='cpu-kernel' and a CPU with AVX2 and FMA")
+    elif dense and not default_dense(cfg, attention):
+        raise ValueError("dense=True needs attention='cpu-kernel', float32 and a CPU with "
+                         "AVX2 and FMA (`default_dense`)")
     return _build(cfg, attention, candidates, grouped, vision_loop, dense)
 
 

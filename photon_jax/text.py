@@ -215,18 +215,11 @@ def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "bloc
     return x, kv, routes or None
 
 
-def logits(pt, hidden_RD, head_vd=None):
+def logits(pt, hidden_RD, dense=linear):
     """post_ln + lm_head, float32 logits (rounded through the model dtype first, as the
-    reference's bf16 logits are).  `head_vd(x_RD, w_VD, b_V)` -> float32 [R, V]: what
-    multiplies by a [V, D] head (an einsum; the CPU decode step passes its kernel)."""
-    head, x = pt["lm_head"], layer_norm(hidden_RD, pt["post_ln"])
-    if "w" in head:
-        return linear(x, head).astype(F32)
-    if head_vd is not None:
-        return head_vd(x, head["w_vd"], head["b"]).astype(x.dtype).astype(F32)
-    y = jnp.einsum("...d,vd->...v", x, head["w_vd"], precision=matmul_precision(x.dtype),
-                   preferred_element_type=F32)
-    return (y + head["b"].astype(F32)).astype(x.dtype).astype(F32)
+    reference's bf16 logits are).  `dense`: as in `forward`."""
+    x = layer_norm(hidden_RD, pt["post_ln"])
+    return dense(x, pt["lm_head"]).astype(F32)
 
 
 def embed_tokens(pt, ids):

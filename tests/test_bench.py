@@ -128,3 +128,23 @@ def test_caption_bench_runs_the_source_tree_it_is_given(tmp_path):
     assert [r["pass"] for r in rows] == ["cold", "warm"]
     assert {r["photon_jax_dir"] for r in rows} == {str(tmp_path / "tree")}
     assert rows[0]["images_per_s"] == 1.0
+
+
+def test_decode_cost_counts_what_the_kernels_read():
+    """bench/common.decode_cost (the bytes-over-floor figure): XLA's cost analysis counts a
+    custom call as reading nothing, so with the CPU kernels -- attention and, at 4 rows in
+    float32, every dense layer and the LM head -- the step must still be charged at least
+    its floor (the weights it multiplies by, the attended KV, the logits).  Without the
+    kernels' own byte counts it would be charged a fraction of its weights."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import common
+    from photon_jax import cpukernel
+    from photon_jax.config import tiny
+
+    cfg = tiny()
+    for attention in ("xla", "cpu-kernel"):
+        r = common.decode_cost(cfg, 4, 100, attention=attention)
+        assert r["floor_bytes"] <= r["bytes_accessed"] <= 2 * r["floor_bytes"], r
+        if attention == "cpu-kernel" and cpukernel.dense_fast():
+            assert r["kernel_bytes"] > r["weights_bytes"] / 2, r
+

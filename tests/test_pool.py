@@ -202,17 +202,24 @@ def test_cpu_kernel_equals_dense_attention(kh, g, dtype):
 
 
 def test_cpu_dense_kernel_equals_float64():
-    """`cpukernel.dense` (the decode step's dense layers on CPU): shapes at every edge of its
-    tiling -- 1 to 13 rows (6-row tiles and each remainder), columns not a multiple of 16 and
-    more than one 128-column work item, k past one 256-deep packed block and not a multiple
-    of 8 -- against float64 and against XLA's product (`layers.linear`); a [K, N] weight and
-    the same weight as [N, K] (`transposed`, the LM head) give the same bits (the same sums
-    in the same order)."""
+    """`cpukernel.dense` (the decode step's dense layers on CPU) at every edge of its
+    tiling: 1 to 6 rows, 13 and 32 (each 6-row tile remainder), columns not a multiple of 16
+    and more than one 128-column work item, k past one 256-deep packed block, not a multiple
+    of 8 where the [N, K] head is transposed 8 x 8 at a time: against float64 and against
+    XLA's product (`layers.linear`).  A [K, N] weight and the same weight as [N, K]
+    (`transposed`, the LM head) give the same bits (the same sums in the same order).  On a
+    CPU without AVX2 + FMA the call fails, naming the reason (the step never makes it)."""
     from photon_jax.layers import linear
 
     assert cpukernel.load(), cpukernel.reason()
     rng = np.random.default_rng(5)
-    for m, k, n in [(1, 7, 5), (5, 64, 40), (6, 256, 16), (13, 600, 300), (32, 520, 272)]:
+    x, w, b = (rng.normal(size=s).astype(np.float32) for s in [(2, 3), (3, 4), (4,)])
+    if not cpukernel.dense_fast():
+        with pytest.raises(Exception, match="without AVX2 and FMA"):
+            jax.block_until_ready(jax.jit(cpukernel.dense)(x, w, b))
+        return
+    for m, k, n in [(1, 7, 5), (2, 305, 40), (3, 64, 17), (4, 16, 33), (5, 305, 40),
+                    (6, 256, 16), (13, 600, 300), (32, 520, 272)]:
         x = rng.normal(size=(m, k)).astype(np.float32)
         w = rng.normal(size=(k, n)).astype(np.float32)
         b = rng.normal(size=n).astype(np.float32)
@@ -223,6 +230,11 @@ def test_cpu_dense_kernel_equals_float64():
         np.testing.assert_array_equal(y_t, y)
         want = np.asarray(jax.jit(linear)(x, {"w": w, "b": b}))
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=2e-4)
+        # The serving LM head's layout through both `linear`s.
+        head = {"w_vd": w.T.copy(), "b": b}
+        np.testing.assert_array_equal(np.asarray(jax.jit(cpukernel.linear)(x, head)), y)
+        np.testing.assert_allclose(np.asarray(jax.jit(linear)(x, head)),
+                                   x.astype(np.float64) @ w + b, rtol=1e-5, atol=2e-4)
 
 
 def test_cpu_kernel_falls_back_to_the_sweep_without_a_compiler(monkeypatch, caplog):
@@ -241,6 +253,8 @@ def test_cpu_kernel_falls_back_to_the_sweep_without_a_compiler(monkeypatch, capl
     assert not cpukernel.dense_fast() and not step_mod.default_dense(tiny(), "xla")
     with pytest.raises(ValueError, match="dense=True needs"):
         step_mod.build(tiny(), "xla", dense=True)
+    with pytest.raises(ValueError, match="dense=True needs"):   # and float32 only
+        step_mod.build(tiny().with_dtype("bfloat16"), "xla", dense=True)
 
 
 def test_pallas_kernel_in_the_model_equals_the_xla_sweep():

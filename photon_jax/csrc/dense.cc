@@ -4,17 +4,21 @@
 //   y[M, N] = x[M, K] @ W + b      W [K, N] (a linear layer), or [N, K] with `transposed`
 //                                  (the LM head as the engine holds it)
 //
+// Built only with AVX2 + FMA (x86-64 CPUs since 2013-2015); elsewhere the call fails and
+// `photon_dense_simd()` is 0, so Python keeps XLA's products (cpukernel.dense_fast).
+//
 // Why: a decode step multiplies a few rows (M = the batch, up to 32 or so) by every weight
 // matrix.  XLA:CPU runs these skinny float32 products at 15-25 GFLOP/s on the 2-core
 // machine we measure on, about a third of what the same cores do on a large product, and at
-// 32 rows they are most of the step.  Here each thread takes 16-column panels of W, copies a
-// panel's block of up to 512 k's into a contiguous buffer (W's rows are N floats apart, which
-// puts every k of a panel in the same few L1 sets), and runs register-blocked 6 x 16 tiles
-// over it: each W element is read from memory once per call, and x stays in cache.
+// 32 rows they are most of the step.  Here a work item is a block of 128 columns of W:
+// its 8 panels of 16 columns are copied, 256 k's at a time, into one contiguous buffer (W's
+// rows are N floats apart, which would put every k of a panel in the same few L1 sets; 8
+// panels at once read each row of W in 512-byte runs), and register-blocked 6 x 16 tiles
+// run over each panel: each W element is read from memory once per call, x stays in cache.
 //
 // Numerics: every output is b + (x[m, 0] w[0, n] + x[m, 1] w[1, n] + ...), accumulated in
-// float32 in k order with fused multiply-adds, the bias added last.  Work items are panels,
-// shared out to XLA's intra-op threads through an atomic counter as in paged_attention.cc.
+// float32 in k order with fused multiply-adds, the bias added last.  Blocks are shared out
+// to XLA's intra-op threads (parallel.h).
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -24,14 +28,11 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -53,8 +54,10 @@ struct Dense {
   bool transposed;
 };
 
-// c[i, 0:16] (+)= x[i, 0:kc] @ bp[0:kc, 0:16] for the MR rows of a tile; c rows kNR apart.
+// Everything below to DenseImpl needs AVX2 + FMA; other CPUs keep XLA's products.
 #if PHOTON_DENSE_SIMD
+
+// c[i, 0:16] (+)= x[i, 0:kc] @ bp[0:kc, 0:16] for the MR rows of a tile; c rows kNR apart.
 template <int MR>
 inline void Tile(const float* x, int64_t ldx, const float* bp, int64_t kc, float* c,
                  bool accumulate) {
@@ -98,27 +101,7 @@ inline void Tile(const float* x, int64_t ldx, const float* bp, int64_t kc, float
   STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
 #undef STORE
 }
-#else
-// Without AVX2 + FMA (other CPUs): the same sums in the same order, left to the compiler.
-// `photon_dense_simd()` tells Python, which then keeps XLA's products (cpukernel.py).
-template <int MR>
-inline void Tile(const float* x, int64_t ldx, const float* bp, int64_t kc, float* c,
-                 bool accumulate) {
-  float acc[MR][kNR];
-  for (int i = 0; i < MR; ++i)
-    for (int64_t j = 0; j < kNR; ++j) acc[i][j] = accumulate ? c[i * kNR + j] : 0.0f;
-  for (int64_t k = 0; k < kc; ++k)
-    for (int i = 0; i < MR; ++i) {
-      const float a = x[i * ldx + k];
-#pragma omp simd
-      for (int64_t j = 0; j < kNR; ++j) acc[i][j] = __builtin_fmaf(a, bp[k * kNR + j], acc[i][j]);
-    }
-  for (int i = 0; i < MR; ++i)
-    for (int64_t j = 0; j < kNR; ++j) c[i * kNR + j] = acc[i][j];
-}
-#endif
 
-#if PHOTON_DENSE_SIMD
 // dst[i * ld + j] = src[j * lds + i] for an 8 x 8 block (the head's [N, K] rows -> columns).
 inline void Transpose8(const float* src, int64_t lds, float* dst, int64_t ld) {
   __m256 r[8], t[8], u[8];
@@ -138,11 +121,9 @@ inline void Transpose8(const float* src, int64_t lds, float* dst, int64_t ld) {
     _mm256_storeu_ps(dst + (i + 4) * ld, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
   }
 }
-#endif
 
 // W[k0:k0+kc, n0:n0+cols] as bp[kc, 16], columns past `cols` zero.
 void Pack(const Dense& d, int64_t k0, int64_t kc, int64_t n0, int64_t cols, float* bp) {
-#if PHOTON_DENSE_SIMD
   if (d.transposed && cols == kNR) {  // in 8 x 8 blocks; a scalar tail of k
     const int64_t k8 = kc - kc % 8;
     for (int64_t jb = 0; jb < kNR; jb += 8) {
@@ -153,7 +134,6 @@ void Pack(const Dense& d, int64_t k0, int64_t kc, int64_t n0, int64_t cols, floa
     }
     return;
   }
-#endif
   if (d.transposed) {  // W [N, K]: each of the panel's rows is contiguous in k
     for (int64_t j = 0; j < kNR; ++j) {
       if (j < cols) {
@@ -217,32 +197,19 @@ void Block(const Dense& d, int64_t block, float* bp, float* c) {
   }
 }
 
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t total = 0;
-  std::mutex mu;
-  std::condition_variable cv;
+// One thread's share of the blocks, with its own packing and output buffers.
+struct DenseWorker {
+  Dense d;
+  std::vector<float> buf;
+
+  bool operator()(int64_t block) {
+    if (buf.empty()) buf.resize(kPB * (kKC + d.m) * kNR);
+    Block(d, block, buf.data(), buf.data() + kPB * kKC * kNR);
+    return true;
+  }
 };
 
-void RunPanels(const std::shared_ptr<Work>& w, const Dense& d) {
-  // Per-thread buffers, grown once: a fresh allocation per call would be an mmap and page
-  // faults at the larger models' sizes.
-  thread_local std::vector<float> buf;
-  const size_t need = static_cast<size_t>(kPB * (kKC + d.m) * kNR);
-  if (buf.size() < need) buf.resize(need);
-  float* bp = buf.data();
-  float* c = bp + kPB * kKC * kNR;
-  int64_t finished = 0;
-  for (int64_t i = w->next.fetch_add(1); i < w->total; i = w->next.fetch_add(1)) {
-    Block(d, i, bp, c);
-    ++finished;
-  }
-  if (finished && w->done.fetch_add(finished) + finished == w->total) {
-    std::lock_guard<std::mutex> lock(w->mu);
-    w->cv.notify_all();
-  }
-}
+#endif  // PHOTON_DENSE_SIMD
 
 ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                      ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> y, bool transposed) {
@@ -257,17 +224,16 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     return ffi::Error::InvalidArgument("dense: inconsistent shapes");
   }
   if (d.m == 0 || d.n == 0) return ffi::Error::Success();
-  auto work = std::make_shared<Work>();
-  work->total = (d.n + kNB - 1) / kNB;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t helpers = std::min<int64_t>(threads, work->total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([=]() { RunPanels(work, d); });
-  }
-  RunPanels(work, d);
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->cv.wait(lock, [&] { return work->done.load() == work->total; });
+#if PHOTON_DENSE_SIMD
+  const int64_t blocks = (d.n + kNB - 1) / kNB;
+  photon::ParallelFor(pool, blocks, blocks, DenseWorker{d, {}});
   return ffi::Error::Success();
+#else
+  (void)pool;
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "dense: built without AVX2 and FMA (photon_dense_simd() is 0); use XLA's "
+                    "products");
+#endif
 }
 
 }  // namespace

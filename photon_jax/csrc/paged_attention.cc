@@ -17,21 +17,16 @@
 //
 // Numerics: scores and the softmax in float32, one online-softmax pass over the row's
 // pages in logical order (running max, rescaled sum and output), the division last.
-// Work items are (row, kv head) pairs shared out to XLA's intra-op threads through an
-// atomic counter; the calling thread takes items too and returns only when all are done,
-// so a thread pool that runs nothing (or runs late) costs speed, never correctness.
+// Work items are (row, kv head) pairs shared out to XLA's intra-op threads (parallel.h).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <mutex>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -141,49 +136,34 @@ bool AttendOne(const Shapes& s, const float* q, const T* k, const T* v, const in
   return true;
 }
 
-// Shared by the calling thread and the pool's tasks; heap-held so that a task the pool
-// starts after the call returned finds no work left and touches nothing else.
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::atomic<bool> bad_page{false};
-  int64_t total = 0;
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
+// One thread's share of the (row, kv head) items, with its own scratch: scores
+// [group, page_size], then two page buffers (bf16 widening).
 template <typename T>
-void RunItems(const std::shared_ptr<Work>& w, const Shapes& s, const float* q, const T* k,
-              const T* v, const int32_t* table, const int32_t* length, float* out,
-              float scale) {
-  std::vector<float> scratch(s.group * s.page_size + 2 * s.page_size * s.dim);
-  int64_t finished = 0;
-  for (int64_t i = w->next.fetch_add(1); i < w->total; i = w->next.fetch_add(1)) {
-    if (!AttendOne(s, q, k, v, table, length, out, scale, i, scratch)) w->bad_page = true;
-    ++finished;
+struct AttendWorker {
+  Shapes s;
+  const float* q;
+  const T* k;
+  const T* v;
+  const int32_t* table;
+  const int32_t* length;
+  float* out;
+  float scale;
+  std::vector<float> scratch;
+
+  bool operator()(int64_t item) {
+    if (scratch.empty()) scratch.resize(s.group * s.page_size + 2 * s.page_size * s.dim);
+    return AttendOne(s, q, k, v, table, length, out, scale, item, scratch);
   }
-  if (finished && w->done.fetch_add(finished) + finished == w->total) {
-    std::lock_guard<std::mutex> lock(w->mu);
-    w->cv.notify_all();
-  }
-}
+};
 
 template <typename T>
 ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const float* q, const T* k,
                   const T* v, const int32_t* table, const int32_t* length, float* out,
                   float scale) {
-  auto w = std::make_shared<Work>();
-  w->total = s.rows * s.kv_heads;
-  // Enough items per task that scheduling stays small next to the work.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t helpers = std::min<int64_t>(threads, w->total / 2) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([=]() { RunItems(w, s, q, k, v, table, length, out, scale); });
-  }
-  RunItems(w, s, q, k, v, table, length, out, scale);
-  std::unique_lock<std::mutex> lock(w->mu);
-  w->cv.wait(lock, [&] { return w->done.load() == w->total; });
-  if (w->bad_page) {
+  const int64_t items = s.rows * s.kv_heads;
+  // Enough items per thread that scheduling stays small next to the work.
+  if (!photon::ParallelFor(pool, items, items / 2,
+                           AttendWorker<T>{s, q, k, v, table, length, out, scale, {}})) {
     return ffi::Error::InvalidArgument("paged attention: a page table names a page outside "
                                        "the pool");
   }
