@@ -1,0 +1,198 @@
+"""The GPU path, checked on a machine without a GPU.
+
+A GPU gets other programs than the CPU: decode attention by JAX's Pallas paged-attention
+kernel, the MoE prefill as a grouped `ragged_dot`, the vision attention without the per-crop
+loop (`step.default_*`).  Two checks here, for Moondream 2 and Moondream 3:
+
+* The engine runs a mixed workload with the Pallas kernel under the Pallas interpreter, and
+  its outputs equal the one-request path's.  Every device program it dispatches is recorded
+  with the shapes and dtypes of its arguments; each is then built as a GPU gets it and
+  lowered for CUDA.  Lowering runs Pallas's Triton lowering, so a block shape, dtype or grid
+  the kernel rejects fails here, at the shapes the engine really uses.
+* The decode step at full Moondream 2 and Moondream 3 (32k context) shapes, batch 32, lowered
+  for CUDA from abstract shapes (nothing allocated): the kernel's page-table width and split
+  choices at real sizes.
+
+What lowering cannot check (Triton's and XLA's GPU compilers, device memory, speed) needs a
+GPU: `bench/gpu_md2.py`.
+"""
+
+import dataclasses
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from photon_jax import kvpool, memory, meta as M, reference, step as step_mod
+from photon_jax.config import moondream2, moondream3
+from photon_jax.engine import Engine, Request
+from photon_jax.model import Model
+from photon_jax.params import abstract_params
+from photon_jax.settings import Settings
+from photon_jax.text import unstack_layers
+
+from conftest import FIXTURE_DIR, biased_model
+
+TRITON = "__gpu$xla.gpu.triton"   # the custom call a Pallas GPU kernel lowers to
+IMAGES = [os.path.join(FIXTURE_DIR, f) for f in ("img_land800x600.png", "img_sq378.png")]
+
+
+def gpu_programs(cfg) -> step_mod.Programs:
+    """The programs `Model` builds on a GPU device."""
+    return step_mod.build(cfg, step_mod.default_attention("gpu"),
+                          grouped=step_mod.default_grouped("gpu"),
+                          vision_loop=step_mod.default_vision_loop("gpu"))
+
+
+def lower_for_cuda(fn, args) -> str:
+    return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _abstract(x):
+    if isinstance(x, (jax.Array, np.ndarray)):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x   # static arguments (ints, bools) as they were
+
+
+class Recorder:
+    """Wraps a model's programs: each call is recorded once per distinct argument
+    signature, as (program name, abstract arguments), then run."""
+
+    def __init__(self, programs: step_mod.Programs):
+        self.calls: dict = {}
+        self._lock = threading.Lock()
+        wrapped = {}
+        for f in dataclasses.fields(programs):
+            fn = getattr(programs, f.name)
+            if isinstance(fn, dict):   # sample_step: its static variants
+                wrapped[f.name] = {k: self._wrap((f.name, k), g) for k, g in fn.items()}
+            elif callable(fn):
+                wrapped[f.name] = self._wrap(f.name, fn)
+        self.programs = dataclasses.replace(programs, **wrapped)
+
+    def _wrap(self, name, fn):
+        def call(*args):
+            abstract = jax.tree.map(_abstract, args)
+            key = (name, repr(abstract))
+            with self._lock:
+                self.calls.setdefault(key, (name, abstract))
+            return fn(*args)
+        return call
+
+
+def lower_recorded(calls, programs: step_mod.Programs) -> dict:
+    """{program name: number of Pallas kernel calls in its CUDA lowering}, over every
+    recorded signature (the counts of one name are summed)."""
+    out: dict = {}
+    for name, args in calls.values():
+        fn = (getattr(programs, name[0])[name[1]] if isinstance(name, tuple)
+              else getattr(programs, name))
+        label = name if isinstance(name, str) else f"{name[0]}{name[1]}"
+        out[label] = out.get(label, 0) + lower_for_cuda(fn, args).count(TRITON)
+    return out
+
+
+def run_workload(model, requests):
+    """The pipelined engine's outputs, its pool all free after close().  800 positions in
+    pages of 32: page tables 25 pages wide, not a power of 2 (Triton's lowering cares)."""
+    eng = Engine(model, max_batch_size=4, max_context=800, page_size=32)
+    try:
+        got = [h.result(timeout=600) for h in [eng.submit(r) for r in requests]]
+    finally:
+        eng.close()
+    assert (eng.sched.alloc.in_use(), eng.sched.alloc.reserved) == (0, 0)
+    return got
+
+
+def requests_for(model):
+    pr = model.prompts
+    greedy, hot = Settings(max_tokens=6, temperature=0), Settings(max_tokens=5, seed=3)
+    return [Request("text", pr.caption("short"), IMAGES[0], greedy),
+            Request("text", pr.query("w60 w7"), IMAGES[0], greedy),   # a prefix-cache hit
+            Request("text", pr.caption("normal"), IMAGES[1], hot),
+            Request("text", [0] + pr.query("w90"), None, greedy),     # text only
+            Request("point", pr.point("w70"), IMAGES[1], Settings(max_objects=2))]
+
+
+def check_engine_on_gpu_programs(model, n_requests):
+    rec = Recorder(model.programs)
+    model.programs = rec.programs
+    reqs = requests_for(model)[:n_requests]
+    got = run_workload(model, reqs)
+    encoded = {r.image: reference.encode_image(model, r.image) for r in reqs if r.image}
+    for req, out in zip(reqs, got):
+        enc = None if req.image is None else encoded[req.image]
+        if req.skill == "text":
+            want = reference.generate_text(model, enc, req.prompt, req.settings)["ids"]
+            assert out["ids"] == want, req
+        else:
+            want = reference.generate_points(model, enc, req.prompt, with_size=False,
+                                             max_objects=req.settings.max_objects)
+            assert out["objects"] == want["objects"], req
+    engine_calls = {n if isinstance(n, str) else n[0] for n, _ in rec.calls.values()}
+    # The engine's own programs were all dispatched (the reference path's were too).
+    assert {"image_kv", "write_prefix_pages", "prefill_slot", "forward",
+            "sample_step"} <= engine_calls, engine_calls
+    lowered = lower_recorded(rec.calls, gpu_programs(model.cfg))
+    # Decode attention is the Pallas kernel (one kernel, called from every layer); nothing
+    # else is.
+    assert lowered["forward"] >= 1, lowered
+    assert all(v == 0 for k, v in lowered.items() if k != "forward"), lowered
+    return lowered
+
+
+def test_the_engine_on_the_pallas_kernel_equals_the_reference_and_lowers_for_cuda(tiny_ckpt):
+    base = biased_model(tiny_ckpt, {0: 0.8})
+    model = Model(base.cfg, base.params, base.prompts.tok, attention="pallas-interpret")
+    check_engine_on_gpu_programs(model, 5)
+
+
+def test_moondream3_on_the_pallas_kernel_equals_the_reference_and_lowers_for_cuda(md3_ckpt):
+    base = biased_model(md3_ckpt, {0: 0.8})
+    model = Model(base.cfg, base.params, base.prompts.tok, attention="pallas-interpret")
+    # (Fewer requests: the same programs, Moondream 3's shapes: tau attention, MoE prefill.)
+    check_engine_on_gpu_programs(model, 2)
+
+
+def test_kernel_blocks_are_powers_of_two_that_tile_the_page_table():
+    """Every table width gets a split and a block size the Triton lowering takes (a power
+    of 2) that tile the table exactly; widths that allow it keep 16 splits of 2-8 pages."""
+    for m in range(1, 1025):
+        k_splits, per_block = kvpool.kernel_blocks(m)
+        assert m % k_splits == 0 and (m // k_splits) % per_block == 0, m
+        assert per_block in (1, 2, 4, 8) and k_splits <= 16, m
+    assert kvpool.kernel_blocks(32) == (16, 2)     # Moondream 2: 2048 positions, pages of 64
+    assert kvpool.kernel_blocks(512) == (16, 8)    # Moondream 3: 32k positions
+    assert kvpool.kernel_blocks(25) == (5, 1)      # 800 positions in pages of 32
+
+
+@pytest.mark.parametrize("cfg_fn, dtype", [(moondream2, "bfloat16"), (moondream3, "bfloat16"),
+                                           (moondream2, "float32")])
+def test_the_full_size_decode_step_lowers_for_cuda(cfg_fn, dtype):
+    """Batch 32 at the config's full context (Moondream 3: 32k positions, 512 pages a row),
+    the pool `memory.plan` gives a GPU, abstract shapes only."""
+    cfg = cfg_fn().with_dtype(dtype)
+    batch, page = 32, 64
+    plan = memory.plan(cfg, platform="gpu", max_batch_size=batch,
+                       max_context=cfg.text.max_context, page_size=page,
+                       kv_cache_tokens=batch * cfg.text.max_context, free=None, sweep=False)
+    assert len(plan.arenas.sizes) == 1   # the kernel reads one arena
+    params = jax.eval_shape(unstack_layers, abstract_params(cfg))
+    dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes, page_size=page,
+                                        max_batch_size=batch)
+    max_pages = -(-cfg.text.max_context // page)
+    meta = jax.ShapeDtypeStruct((M.M_TABLE + max_pages, batch), jnp.int32)
+    pages = jax.ShapeDtypeStruct((2, 1), jnp.int32)   # the kernels take no page owners
+    P = gpu_programs(cfg)
+    text = lower_for_cuda(P.forward, (params, dev.pool, dev.slots[0], dev.pending, meta,
+                                      pages))
+    assert text.count(TRITON) >= 1
+    # The kernel reads the pool where it lies, in the model's dtype: never a converted copy.
+    k, pages_n, t, h = dev.pool.k[0][0].shape
+    kv_type = {"bfloat16": "bf16", "float32": "f32"}[dtype]
+    assert f"tensor<{k}x{pages_n}x{t}x{h}x{kv_type}>" in text
+    if dtype != "float32":
+        assert f"tensor<{k}x{pages_n}x{t}x{h}xf32>" not in text
