@@ -190,6 +190,13 @@ def test_the_full_size_decode_step_lowers_for_cuda(cfg_fn, dtype):
     text = lower_for_cuda(P.forward, (params, dev.pool, dev.slots[0], dev.pending, meta,
                                       pages))
     assert text.count(TRITON) >= 1
+    # The device-only ceiling `bench/gpu_md2.py` times (decode + sample steps in a scan).
+    steps = 2
+    stack = lambda a: jax.ShapeDtypeStruct((steps, *a.shape), a.dtype)   # noqa: E731
+    samp = jax.ShapeDtypeStruct((step_mod.S_ALLOW + 1, batch), jnp.int32)
+    ceiling = lower_for_cuda(P.ceiling, (params, dev.pool, dev.slots[0], dev.pending,
+                                         dev.tables, stack(meta), stack(pages), samp))
+    assert ceiling.count(TRITON) >= 1
     # The kernel reads the pool where it lies, in the model's dtype: never a converted copy.
     k, pages_n, t, h = dev.pool.k[0][0].shape
     kv_type = {"bfloat16": "bf16", "float32": "f32"}[dtype]
