@@ -4,10 +4,11 @@ A GPU gets other programs than the CPU: decode attention by JAX's Pallas paged-a
 kernel, the MoE prefill as a grouped `ragged_dot`, the vision attention without the per-crop
 loop (`step.default_*`).  Two checks here, for Moondream 2 and Moondream 3:
 
-* The engine runs a mixed workload with the Pallas kernel under the Pallas interpreter, and
-  its outputs equal the one-request path's.  Every device program it dispatches is recorded
-  with the shapes and dtypes of its arguments; each is then built as a GPU gets it and
-  lowered for CUDA.  Lowering runs Pallas's Triton lowering, so a block shape, dtype or grid
+* The engine runs a mixed workload on the GPU's programs (the Pallas kernel under the Pallas
+  interpreter), and its outputs equal the CPU's one-request path's, the path the parity
+  tests hold to the reference.  Every device program it and the one-request path dispatch
+  is recorded with the shapes and dtypes of its arguments; each is then built as a GPU gets
+  it and lowered for CUDA.  Lowering runs Pallas's Triton lowering, so a block shape, dtype or grid
   the kernel rejects fails here, at the shapes the engine really uses.
 * The decode step at full Moondream 2 and Moondream 3 (32k context) shapes, batch 32, lowered
   for CUDA from abstract shapes (nothing allocated): the kernel's page-table width and split
@@ -117,25 +118,41 @@ def requests_for(model):
             Request("point", pr.point("w70"), IMAGES[1], Settings(max_objects=2))]
 
 
-def check_engine_on_gpu_programs(model, n_requests):
+def gpu_like_model(base: Model) -> Model:
+    """`base`'s weights with the programs a GPU builds, run on this CPU: the Pallas kernel
+    under the interpreter, the ragged MoE prefill, the vision attention without the loop."""
+    m = Model(base.cfg, base.params, base.prompts.tok, attention="pallas-interpret")
+    m.programs = step_mod.build(base.cfg, "pallas-interpret",
+                                grouped=step_mod.default_grouped("gpu"),
+                                vision_loop=step_mod.default_vision_loop("gpu"))
+    return m
+
+
+def check_engine_on_gpu_programs(base: Model, n_requests: int):
+    """The engine on the GPU's programs equals the one-request path on the CPU's (the path
+    the parity tests hold to the reference), token for token; then every program the GPU
+    engine and its one-request path dispatched lowers for CUDA."""
+    model = gpu_like_model(base)
     rec = Recorder(model.programs)
     model.programs = rec.programs
     reqs = requests_for(model)[:n_requests]
     got = run_workload(model, reqs)
-    encoded = {r.image: reference.encode_image(model, r.image) for r in reqs if r.image}
     for req, out in zip(reqs, got):
-        enc = None if req.image is None else encoded[req.image]
+        enc = None if req.image is None else reference.encode_image(base, req.image)
         if req.skill == "text":
-            want = reference.generate_text(model, enc, req.prompt, req.settings)["ids"]
+            want = reference.generate_text(base, enc, req.prompt, req.settings)["ids"]
             assert out["ids"] == want, req
         else:
-            want = reference.generate_points(model, enc, req.prompt, with_size=False,
+            want = reference.generate_points(base, enc, req.prompt, with_size=False,
                                              max_objects=req.settings.max_objects)
             assert out["objects"] == want["objects"], req
-    engine_calls = {n if isinstance(n, str) else n[0] for n, _ in rec.calls.values()}
-    # The engine's own programs were all dispatched (the reference path's were too).
-    assert {"image_kv", "write_prefix_pages", "prefill_slot", "forward",
-            "sample_step"} <= engine_calls, engine_calls
+    # The one-request path on the GPU's programs too (what `functional` users run).
+    enc = reference.encode_image(model, reqs[0].image)
+    assert (reference.generate_text(model, enc, reqs[0].prompt, reqs[0].settings)["ids"]
+            == got[0]["ids"])
+    dispatched = {n if isinstance(n, str) else n[0] for n, _ in rec.calls.values()}
+    assert {"image_kv", "write_prefix_pages", "copy_pages", "prefill_slot", "forward",
+            "sample_step", "prefill", "decode"} <= dispatched, dispatched
     lowered = lower_recorded(rec.calls, gpu_programs(model.cfg))
     # Decode attention is the Pallas kernel (one kernel, called from every layer); nothing
     # else is.
@@ -144,17 +161,14 @@ def check_engine_on_gpu_programs(model, n_requests):
     return lowered
 
 
-def test_the_engine_on_the_pallas_kernel_equals_the_reference_and_lowers_for_cuda(tiny_ckpt):
-    base = biased_model(tiny_ckpt, {0: 0.8})
-    model = Model(base.cfg, base.params, base.prompts.tok, attention="pallas-interpret")
-    check_engine_on_gpu_programs(model, 5)
+def test_the_engine_on_the_gpu_programs_equals_the_reference_and_lowers_for_cuda(tiny_ckpt):
+    check_engine_on_gpu_programs(biased_model(tiny_ckpt, {0: 0.8}), 5)
 
 
-def test_moondream3_on_the_pallas_kernel_equals_the_reference_and_lowers_for_cuda(md3_ckpt):
-    base = biased_model(md3_ckpt, {0: 0.8})
-    model = Model(base.cfg, base.params, base.prompts.tok, attention="pallas-interpret")
-    # (Fewer requests: the same programs, Moondream 3's shapes: tau attention, MoE prefill.)
-    check_engine_on_gpu_programs(model, 2)
+def test_moondream3_on_the_gpu_programs_equals_the_reference_and_lowers_for_cuda(md3_ckpt):
+    # (Fewer requests: the same programs at Moondream 3's shapes: tau attention, MoE
+    # prefill as ragged_dot.)
+    check_engine_on_gpu_programs(biased_model(md3_ckpt, {0: 0.8}), 2)
 
 
 def test_kernel_blocks_are_powers_of_two_that_tile_the_page_table():
