@@ -238,24 +238,32 @@ def kernel_attend(arenas_k: tuple, arenas_v: tuple, q_RQH, pt_RM, length_R, *,
 
     if len(arenas_k) != 1:
         raise ValueError("the paged-attention kernel reads a single-arena pool")
-    k_splits, per_block = kernel_blocks(pt_RM.shape[1])
+    k_splits, per_block = kernel_blocks(pt_RM.shape[1], arenas_k[0].shape[2])
     q = (q_RQH.astype(F32) * (q_RQH.shape[-1] ** -0.5)).astype(arenas_k[0].dtype)
     out = paged_attention(q, arenas_k[0], arenas_v[0], pt_RM, length_R, k_splits=k_splits,
                           pages_per_compute_block=per_block, interpret=interpret)
     return out.reshape(q_RQH.shape[0], -1).astype(q_RQH.dtype)
 
 
-def kernel_blocks(m: int) -> tuple[int, int]:
+# Positions one step of the Pallas kernel loads (pages_per_compute_block x page_size): at most
+# the largest that JAX's own GPU tests of the kernel run (8 pages of 32), so that the K and
+# V tiles stay the sizes it is known to compile and run at.
+KERNEL_BLOCK_POSITIONS = 256
+
+
+def kernel_blocks(m: int, page_size: int) -> tuple[int, int]:
     """(k_splits, pages_per_compute_block) of the Pallas kernel for page tables of width m:
     the table splits into k_splits partitions (as many as divide m, up to 16: parallelism
     at small batches), each walked `pages_per_compute_block` pages at a time.  That block
     count must be a power of 2 (Pallas's Triton lowering takes only power-of-2 arrays: a
     table width like 25 -- max_context 800 in pages of 32 -- gave blocks of 5, which lowers
-    in the interpreter but not for a GPU) that divides the partition: up to 8."""
+    in the interpreter but not for a GPU) that divides the partition, up to 8 pages and
+    `KERNEL_BLOCK_POSITIONS` positions."""
     k_splits = max(d for d in range(1, min(m, 16) + 1) if m % d == 0)
     part = m // k_splits
+    cap = max(1, min(8, KERNEL_BLOCK_POSITIONS // page_size))
     per_block = 1
-    while per_block < 8 and part % (2 * per_block) == 0:
+    while 2 * per_block <= cap and part % (2 * per_block) == 0:
         per_block *= 2
     return k_splits, per_block
 

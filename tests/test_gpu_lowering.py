@@ -172,15 +172,19 @@ def test_moondream3_on_the_gpu_programs_equals_the_reference_and_lowers_for_cuda
 
 
 def test_kernel_blocks_are_powers_of_two_that_tile_the_page_table():
-    """Every table width gets a split and a block size the Triton lowering takes (a power
-    of 2) that tile the table exactly; widths that allow it keep 16 splits of 2-8 pages."""
-    for m in range(1, 1025):
-        k_splits, per_block = kvpool.kernel_blocks(m)
-        assert m % k_splits == 0 and (m // k_splits) % per_block == 0, m
-        assert per_block in (1, 2, 4, 8) and k_splits <= 16, m
-    assert kvpool.kernel_blocks(32) == (16, 2)     # Moondream 2: 2048 positions, pages of 64
-    assert kvpool.kernel_blocks(512) == (16, 8)    # Moondream 3: 32k positions
-    assert kvpool.kernel_blocks(25) == (5, 1)      # 800 positions in pages of 32
+    """Every table width and page size gets a split and a block size the Triton lowering
+    takes (a power of 2) that tile the table exactly, with blocks of at most 256 positions
+    (what JAX's own tests of the kernel run); widths that allow it keep 16 splits."""
+    for page in (16, 32, 64, 128, 256):
+        for m in range(1, 1025):
+            k_splits, per_block = kvpool.kernel_blocks(m, page)
+            assert m % k_splits == 0 and (m // k_splits) % per_block == 0, (m, page)
+            assert per_block in (1, 2, 4, 8) and k_splits <= 16, (m, page)
+            assert per_block == 1 or per_block * page <= 256, (m, page)
+    assert kvpool.kernel_blocks(32, 64) == (16, 2)    # Moondream 2: 2048 positions
+    assert kvpool.kernel_blocks(512, 64) == (16, 4)   # Moondream 3: 32k positions
+    assert kvpool.kernel_blocks(128, 16) == (16, 8)
+    assert kvpool.kernel_blocks(25, 32) == (5, 1)     # 800 positions in pages of 32
 
 
 @pytest.mark.parametrize("cfg_fn, dtype", [(moondream2, "bfloat16"), (moondream3, "bfloat16"),
