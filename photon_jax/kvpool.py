@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from . import cpukernel
 from .config import TextConfig
-from .dtypes import F32, jnp_dtype
+from .dtypes import F32, jnp_dtype, matmul_precision
 from .layers import attention
 
 
@@ -239,9 +239,15 @@ def kernel_attend(arenas_k: tuple, arenas_v: tuple, q_RQH, pt_RM, length_R, *,
     if len(arenas_k) != 1:
         raise ValueError("the paged-attention kernel reads a single-arena pool")
     k_splits, per_block = kernel_blocks(pt_RM.shape[1], arenas_k[0].shape[2])
-    q = (q_RQH.astype(F32) * (q_RQH.shape[-1] ** -0.5)).astype(arenas_k[0].dtype)
-    out = paged_attention(q, arenas_k[0], arenas_v[0], pt_RM, length_R, k_splits=k_splits,
-                          pages_per_compute_block=per_block, interpret=interpret)
+    dtype = arenas_k[0].dtype
+    q = (q_RQH.astype(F32) * (q_RQH.shape[-1] ** -0.5)).astype(dtype)
+    # The kernel's products take the default matmul precision, which on GPU multiplies
+    # float32 in TF32 (10-bit mantissas); a float32 model's products are HIGHEST everywhere
+    # else (`dtypes.matmul_precision`), so its attention is too.
+    with jax.default_matmul_precision(matmul_precision(dtype).name.lower()):
+        out = paged_attention(q, arenas_k[0], arenas_v[0], pt_RM, length_R,
+                              k_splits=k_splits, pages_per_compute_block=per_block,
+                              interpret=interpret)
     return out.reshape(q_RQH.shape[0], -1).astype(q_RQH.dtype)
 
 

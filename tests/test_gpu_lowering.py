@@ -187,6 +187,22 @@ def test_kernel_blocks_are_powers_of_two_that_tile_the_page_table():
     assert kvpool.kernel_blocks(25, 32) == (5, 1)     # 800 positions in pages of 32
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_kernel_multiplies_float32_in_float32(dtype):
+    """The Pallas kernel's products take the default matmul precision, TF32 on GPU for
+    float32 inputs; a float32 pool's attention asks for HIGHEST, as every other product of
+    a float32 model does (a bfloat16 pool keeps the default)."""
+    r, n, h, kh, p, t, m = 2, 4, 64, 4, 16, 16, 8
+    pool = jax.ShapeDtypeStruct((kh, p, t, h), jnp.dtype(dtype))
+    jaxpr = str(jax.make_jaxpr(lambda k, v, q, pt, ln: kvpool.kernel_attend(
+        (k,), (v,), q, pt, ln))(pool, pool, jax.ShapeDtypeStruct((r, n, h), jnp.float32),
+                                jax.ShapeDtypeStruct((r, m), jnp.int32),
+                                jax.ShapeDtypeStruct((r,), jnp.int32)))
+    assert "pallas_call" in jaxpr
+    highest = "(Precision.HIGHEST, Precision.HIGHEST)" in jaxpr
+    assert highest == (dtype == "float32"), jaxpr.count("Precision")
+
+
 @pytest.mark.parametrize("cfg_fn, dtype", [(moondream2, "bfloat16"), (moondream3, "bfloat16"),
                                            (moondream2, "float32")])
 def test_the_full_size_decode_step_lowers_for_cuda(cfg_fn, dtype):
