@@ -90,6 +90,14 @@ def md3_ckpt(tmp_path_factory):
     return _converted(tmp_path_factory, MD3_FIXTURE_DIR, "md3-tiny-f32", "float32")
 
 
+def pallas_attention() -> str:
+    """JAX's Pallas paged-attention kernel as this backend runs it: for real on a GPU (a
+    GPU pass of the kernel tests), under the Pallas interpreter elsewhere."""
+    import jax
+
+    return "pallas" if jax.default_backend() == "gpu" else "pallas-interpret"
+
+
 def biased_model(ckpt: str, biases: dict):
     """The checkpoint's model with `biases` ({token id: value}) added to the LM head's bias:
     random weights rarely emit EOS, coordinates or grounding ids on their own."""

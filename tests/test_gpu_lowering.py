@@ -35,7 +35,7 @@ from photon_jax.params import abstract_params
 from photon_jax.settings import Settings
 from photon_jax.text import unstack_layers
 
-from conftest import FIXTURE_DIR, biased_model
+from conftest import FIXTURE_DIR, biased_model, pallas_attention
 
 TRITON = "__gpu$xla.gpu.triton"   # the custom call a Pallas GPU kernel lowers to
 IMAGES = [os.path.join(FIXTURE_DIR, f) for f in ("img_land800x600.png", "img_sq378.png")]
@@ -119,10 +119,11 @@ def requests_for(model):
 
 
 def gpu_like_model(base: Model) -> Model:
-    """`base`'s weights with the programs a GPU builds, run on this CPU: the Pallas kernel
-    under the interpreter, the ragged MoE prefill, the vision attention without the loop."""
-    m = Model(base.cfg, base.params, base.prompts.tok, attention="pallas-interpret")
-    m.programs = step_mod.build(base.cfg, "pallas-interpret",
+    """`base`'s weights with the programs a GPU builds: the Pallas kernel (under the
+    interpreter, except on a GPU), the ragged MoE prefill, the vision attention without the
+    loop."""
+    m = Model(base.cfg, base.params, base.prompts.tok, attention=pallas_attention())
+    m.programs = step_mod.build(base.cfg, pallas_attention(),
                                 grouped=step_mod.default_grouped("gpu"),
                                 vision_loop=step_mod.default_vision_loop("gpu"))
     return m
