@@ -326,12 +326,12 @@ def ref_ids(model, encoded, req):
 
 
 def test_a_small_pool_makes_requests_wait_evicts_and_recreates_prefixes(model, tmp_path):
-    """A pool with room for about four requests at a time (fewer while it holds cached
-    prefixes), 12 requests over 4 images from 4 threads: every request finishes with the
-    one-request path's output in the pipelined engine with the cache and in its blocking
-    twin without; the pool, not max_batch_size, bounds the rows; every page is free after
-    close().  (Small images:
-    their two crops keep the vision encoder's share of the test small.)"""
+    """A pool with room for about four requests at a time when each holds its own prefix,
+    12 requests over 4 images from 4 threads: every request finishes with the one-request
+    path's output in the pipelined engine with the cache and in its blocking twin without;
+    without the cache the pool, not max_batch_size, bounds the rows; with it, cached
+    prefixes are evicted under the pressure; every page is free after close().  (Small
+    images: their two crops keep the vision encoder's share of the test small.)"""
     from PIL import Image
 
     pr = model.prompts
@@ -371,7 +371,13 @@ def test_a_small_pool_makes_requests_wait_evicts_and_recreates_prefixes(model, t
         finally:
             eng.close()
         assert got == want, (pipelined, cache)
-        assert peak <= fits < 8   # the pool, not max_batch_size, bounded the rows
+        if not cache or eng.sweep:
+            # Every row holds all its pages: the pool, not max_batch_size, bounds the rows.
+            assert peak <= fits < 8
+        # (With the cache and the kernels, rows on a cached image share its prefix pages and
+        # hold only a page or two of their own, so how many run at once depends on how many
+        # distinct images the running rows use: the threads' timing.  This bound held until
+        # a run where 5 rows ran.)
         if cache:
             # Every image request was a hit or a miss.  How many of each depends on the
             # threads' timing; eviction and re-creation are checked deterministically by
