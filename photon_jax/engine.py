@@ -43,7 +43,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from . import constraints, frontend, hostsync, memory, skills, step as step_mod
+from . import constraints, frontend, hostsync, kvpool, memory, skills, step as step_mod
 from .frontend import EncodedImage, ImagePrefix, PreparedImage
 from .meta import pack_decode, pack_prefill
 from .model import Model
@@ -102,6 +102,13 @@ class Engine:
                              f"{cfg.text.max_context}], got {max_context!r}")
         if page_size not in (16, 32, 64, 128, 256):
             raise ValueError(f"page_size must be 16, 32, 64, 128 or 256, got {page_size!r}")
+        if model.attention.startswith("pallas"):   # the GPU kernel loads a page at least
+            most = kvpool.kernel_max_positions(cfg.dtype, cfg.text.head_dim)
+            if page_size > most:
+                raise ValueError(
+                    f"page_size={page_size} is too large for the GPU paged-attention kernel "
+                    f"with a {cfg.dtype} model: it loads at most {most} positions a step "
+                    f"(its K/V tiles live in shared memory); use page_size={most} or less")
         self.model, self.cfg, self.programs = model, cfg, model.programs
         self.max_batch_size, self.max_context, self.pipelined = max_batch_size, ctx, pipelined
         self.device = model.device

@@ -238,8 +238,9 @@ def kernel_attend(arenas_k: tuple, arenas_v: tuple, q_RQH, pt_RM, length_R, *,
 
     if len(arenas_k) != 1:
         raise ValueError("the paged-attention kernel reads a single-arena pool")
-    k_splits, per_block = kernel_blocks(pt_RM.shape[1], arenas_k[0].shape[2])
     dtype = arenas_k[0].dtype
+    k_splits, per_block = kernel_blocks(pt_RM.shape[1], arenas_k[0].shape[2],
+                                        kernel_max_positions(dtype, arenas_k[0].shape[3]))
     q = (q_RQH.astype(F32) * (q_RQH.shape[-1] ** -0.5)).astype(dtype)
     # The kernel's products take the default matmul precision, which on GPU multiplies
     # float32 in TF32 (10-bit mantissas); a float32 model's products are HIGHEST everywhere
@@ -251,23 +252,30 @@ def kernel_attend(arenas_k: tuple, arenas_v: tuple, q_RQH, pt_RM, length_R, *,
     return out.reshape(q_RQH.shape[0], -1).astype(q_RQH.dtype)
 
 
-# Positions one step of the Pallas kernel loads (pages_per_compute_block x page_size): at most
-# the largest that JAX's own GPU tests of the kernel run (8 pages of 32), so that the K and
-# V tiles stay the sizes it is known to compile and run at.
-KERNEL_BLOCK_POSITIONS = 256
+def kernel_max_positions(dtype, head_dim: int) -> int:
+    """The most positions one step of the Pallas kernel may load (pages_per_compute_block x
+    page_size).  Its K and V tiles live in shared memory: compiled for an H200
+    (`bench/gpu_compile.py`, head dim 64), float32 tiles of 256 positions ask for 260 KiB
+    of the 227 KiB a block may have, bfloat16 ones fit up to 512 positions.  bfloat16 keeps
+    256, the largest block JAX's own GPU tests of the kernel run.  Scaled for other head
+    dims (the tiles grow with it)."""
+    base = 128 if jnp.dtype(dtype).itemsize >= 4 else 256
+    n = max(1, base * 64 // head_dim)
+    return 1 << (n.bit_length() - 1)   # a power of 2, as the lowering needs
 
 
-def kernel_blocks(m: int, page_size: int) -> tuple[int, int]:
+def kernel_blocks(m: int, page_size: int, max_positions: int = 256) -> tuple[int, int]:
     """(k_splits, pages_per_compute_block) of the Pallas kernel for page tables of width m:
     the table splits into k_splits partitions (as many as divide m, up to 16: parallelism
     at small batches), each walked `pages_per_compute_block` pages at a time.  That block
     count must be a power of 2 (Pallas's Triton lowering takes only power-of-2 arrays: a
     table width like 25 -- max_context 800 in pages of 32 -- gave blocks of 5, which lowers
     in the interpreter but not for a GPU) that divides the partition, up to 8 pages and
-    `KERNEL_BLOCK_POSITIONS` positions."""
+    `max_positions` positions (`kernel_max_positions`; a page larger than that is refused
+    by the engine)."""
     k_splits = max(d for d in range(1, min(m, 16) + 1) if m % d == 0)
     part = m // k_splits
-    cap = max(1, min(8, KERNEL_BLOCK_POSITIONS // page_size))
+    cap = max(1, min(8, max_positions // page_size))
     per_block = 1
     while 2 * per_block <= cap and part % (2 * per_block) == 0:
         per_block *= 2

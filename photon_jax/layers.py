@@ -61,6 +61,10 @@ def attention(q_RTQH, k_RSKH, v_RSKH, mask_RTS=None):
     if mask_RTS is not None:
         s = jnp.where(mask_RTS[:, None, None, :, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v_RSKH.dtype), v_RSKH, precision=prec,
-                   preferred_element_type=F32)
-    return o.reshape(b, t, n * h).astype(q_RTQH.dtype)
+    # The product in its natural order (batch dimensions first), cast, then moved: asked
+    # for as "btkgh" in float32, XLA:GPU fused the move and the cast into the next layer's
+    # GEMM as a transposed operand it found no Triton tiling for (the vision encoder's
+    # output projection, compiled for an H200: bench/gpu_compile.py).  Same values.
+    o = jnp.einsum("bkgts,bskh->bkgth", p.astype(v_RSKH.dtype), v_RSKH, precision=prec,
+                   preferred_element_type=F32).astype(q_RTQH.dtype)
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)

@@ -59,6 +59,22 @@ def test_gpu_script_runs_on_cpu_at_a_small_config():
     assert rows[0]["pipelined_tok_s"] > 0 and rows[0]["blocking_tok_s"] > 0
 
 
+def test_gpu_compile_script_lowers_every_program_without_the_cuda_plugin():
+    """bench/gpu_compile.py builds the same kernel and program arguments for its deviceless
+    H200 compile; here they are lowered for CUDA instead (no plugin in CI)."""
+    rows = run("gpu_compile.py", "--lower-only", "--models", "tiny", "--batch", "4")
+    assert rows and all(r["ok"] and r["lower_only"] for r in rows), rows
+    programs = {r["program"] for r in rows if r["what"] == "program"}
+    assert programs == {"forward", "ceiling", "prefill_slot", "image_kv",
+                        "sample_step(False, False)", "sample_step(False, True)",
+                        "sample_step(True, False)", "sample_step(True, True)"}
+    kernels = [r for r in rows if r["what"] == "kernel"]
+    assert {r["dtype"] for r in kernels} == {"float32", "bfloat16"}
+    # The engine refuses exactly the float32 pages of 256 positions.
+    assert [(r["dtype"], r["page_size"]) for r in kernels if r["engine_refuses"]] == [
+        ("float32", 256)]
+
+
 def test_caption_bench_smoke():
     rows = run("caption.py", "--config", "tiny", "--images", "3", "--batch", "2",
                "--max-tokens", "3", "--ckpt-dtype", "float32", "--processes")

@@ -14,8 +14,9 @@ loop (`step.default_*`).  Two checks here, for Moondream 2 and Moondream 3:
   for CUDA from abstract shapes (nothing allocated): the kernel's page-table width and split
   choices at real sizes.
 
-What lowering cannot check (Triton's and XLA's GPU compilers, device memory, speed) needs a
-GPU: `bench/gpu_md2.py`.
+What lowering cannot check: the GPU compilers (`bench/gpu_compile.py` runs them for an H200
+without a GPU, where JAX's CUDA plugin is installed), and memory and speed at run time
+(`bench/gpu_md2.py`, on a GPU).
 """
 
 import dataclasses
@@ -62,8 +63,8 @@ class Recorder:
     """Wraps a model's programs: each call is recorded once per distinct argument
     signature, as (program name, abstract arguments), then run."""
 
-    def __init__(self, programs: step_mod.Programs):
-        self.calls: dict = {}
+    def __init__(self, programs: step_mod.Programs, calls: dict | None = None):
+        self.calls: dict = {} if calls is None else calls
         self._lock = threading.Lock()
         wrapped = {}
         for f in dataclasses.fields(programs):
@@ -131,11 +132,13 @@ def gpu_like_model(base: Model) -> Model:
 
 def check_engine_on_gpu_programs(base: Model, n_requests: int):
     """The engine on the GPU's programs equals the one-request path on the CPU's (the path
-    the parity tests hold to the reference), token for token; then every program the GPU
-    engine and its one-request path dispatched lowers for CUDA."""
+    the parity tests hold to the reference), token for token; then every program the two
+    dispatched (the one-request path's take the same arguments on both) is built as a GPU
+    gets it and lowers for CUDA."""
     model = gpu_like_model(base)
     rec = Recorder(model.programs)
     model.programs = rec.programs
+    base.programs = Recorder(base.programs, rec.calls).programs
     reqs = requests_for(model)[:n_requests]
     got = run_workload(model, reqs)
     for req, out in zip(reqs, got):
@@ -147,10 +150,6 @@ def check_engine_on_gpu_programs(base: Model, n_requests: int):
             want = reference.generate_points(base, enc, req.prompt, with_size=False,
                                              max_objects=req.settings.max_objects)
             assert out["objects"] == want["objects"], req
-    # The one-request path on the GPU's programs too (what `functional` users run).
-    enc = reference.encode_image(model, reqs[0].image)
-    assert (reference.generate_text(model, enc, reqs[0].prompt, reqs[0].settings)["ids"]
-            == got[0]["ids"])
     dispatched = {n if isinstance(n, str) else n[0] for n, _ in rec.calls.values()}
     assert {"image_kv", "write_prefix_pages", "copy_pages", "prefill_slot", "forward",
             "sample_step", "prefill", "decode"} <= dispatched, dispatched
@@ -174,18 +173,36 @@ def test_moondream3_on_the_gpu_programs_equals_the_reference_and_lowers_for_cuda
 
 def test_kernel_blocks_are_powers_of_two_that_tile_the_page_table():
     """Every table width and page size gets a split and a block size the Triton lowering
-    takes (a power of 2) that tile the table exactly, with blocks of at most 256 positions
-    (what JAX's own tests of the kernel run); widths that allow it keep 16 splits."""
-    for page in (16, 32, 64, 128, 256):
-        for m in range(1, 1025):
-            k_splits, per_block = kvpool.kernel_blocks(m, page)
-            assert m % k_splits == 0 and (m // k_splits) % per_block == 0, (m, page)
-            assert per_block in (1, 2, 4, 8) and k_splits <= 16, (m, page)
-            assert per_block == 1 or per_block * page <= 256, (m, page)
-    assert kvpool.kernel_blocks(32, 64) == (16, 2)    # Moondream 2: 2048 positions
-    assert kvpool.kernel_blocks(512, 64) == (16, 4)   # Moondream 3: 32k positions
-    assert kvpool.kernel_blocks(128, 16) == (16, 8)
-    assert kvpool.kernel_blocks(25, 32) == (5, 1)     # 800 positions in pages of 32
+    takes (a power of 2) that tile the table exactly, with steps of at most the positions
+    the dtype's tiles fit in an H200's shared memory (bench/gpu_compile.py: float32 128,
+    bfloat16 256 at head dim 64); widths that allow it keep 16 splits."""
+    assert kvpool.kernel_max_positions(jnp.float32, 64) == 128
+    assert kvpool.kernel_max_positions(jnp.bfloat16, 64) == 256
+    assert kvpool.kernel_max_positions(jnp.bfloat16, 128) == 128
+    for most in (128, 256):
+        for page in (16, 32, 64, 128):
+            for m in range(1, 1025):
+                k_splits, per_block = kvpool.kernel_blocks(m, page, most)
+                assert m % k_splits == 0 and (m // k_splits) % per_block == 0, (m, page)
+                assert per_block in (1, 2, 4, 8) and k_splits <= 16, (m, page)
+                assert per_block * page <= most, (m, page, most)
+    assert kvpool.kernel_blocks(32, 64, 256) == (16, 2)    # Moondream 2: 2048 positions
+    assert kvpool.kernel_blocks(512, 64, 256) == (16, 4)   # Moondream 3: 32k positions
+    assert kvpool.kernel_blocks(512, 64, 128) == (16, 2)   # ... in float32
+    assert kvpool.kernel_blocks(25, 32, 256) == (5, 1)     # 800 positions in pages of 32
+
+
+def test_a_page_too_large_for_the_gpu_kernel_is_refused_by_name(tiny_ckpt):
+    """A float32 model on the GPU kernel with pages of 256 positions: the kernel would load
+    a 256-position float32 tile per step, which does not fit (bench/gpu_compile.py); the
+    engine refuses at start, naming page_size and the largest that works."""
+    base = biased_model(tiny_ckpt, {})
+    model = Model(base.cfg, base.params, base.prompts.tok, attention=pallas_attention())
+    assert model.cfg.dtype == "float32"
+    with pytest.raises(ValueError, match=r"page_size=256 is too large .* float32 .* "
+                                         r"use page_size=128 or less"):
+        Engine(model, max_batch_size=2, max_context=800, page_size=256)
+    Engine(model, max_batch_size=2, max_context=800, page_size=128).close()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,0 +1,225 @@
+"""The GPU programs compiled for an NVIDIA H200 on a machine without a GPU.
+
+XLA's GPU compiler can compile for a described device instead of an attached one (a
+"deviceless" topology made from a GPU target description), and JAX's CUDA plugin ships it,
+with Triton and ptxas.  So this runs everything of a GPU compile that needs no device:
+Pallas's Triton lowering, Triton's shared-memory and register limits, XLA:GPU's passes and
+its scheduler -- what `tests/test_gpu_lowering.py` (lowering only) cannot check.  Nothing
+runs: there are no speeds here, only whether each program compiles and what XLA says of it.
+
+One JSON line per compile, kind "gpu_compile":
+  what = "kernel"   the Pallas paged-attention kernel alone at (page_size, table width,
+                    dtype), with the blocks `kvpool.kernel_blocks` picks (engine_refuses:
+                    a page the engine refuses for that dtype); with --blocks,
+                    also every power-of-2 pages-per-step from 1 to 16 at the widest table
+                    (where the kernel stops fitting the H200's shared memory)
+  what = "program"  a serving program at full Moondream 2 / Moondream 3 shapes with a pool
+                    from `memory.plan` for the H200's memory: compile seconds, temporaries,
+                    and the conditionals and unknown-trip loops in the optimized HLO (each
+                    one a host round trip on a GPU)
+  ok, error         whether it compiled, and XLA's or Triton's message if not
+
+    pip install "jax[cuda13]==$(python -c 'import jax; print(jax.__version__)')"
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu python bench/gpu_compile.py --blocks
+    python bench/gpu_compile.py --lower-only --models tiny     # without the plugin (tests)
+
+(The two variables: the plugin's start-up check wants a CUDA driver, and JAX must not try to
+run on a GPU it does not have.  Measured numbers: bench/README.md.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import env_info  # noqa: E402
+
+# An H200 SXM as XLA's GPU compiler needs it described (public hardware figures: 132 SMs,
+# compute capability 9.0, 228 KiB of shared memory per SM of which 227 KiB per block on
+# request, 64 Ki registers per SM, 50 MiB of L2, 4.8 TB/s, 141 GB).
+H200_BYTES = 151397597184
+H200 = """
+gpu_device_info {
+  threads_per_block_limit: 1024  threads_per_warp: 32  threads_per_core_limit: 2048
+  shared_memory_per_block: 49152  shared_memory_per_core: 233472
+  shared_memory_per_block_optin: 232448
+  registers_per_core_limit: 65536  registers_per_block_limit: 65536
+  core_count: 132  fpus_per_core: 128  clock_rate_ghz: 1.98
+  block_dim_limit_x: 2147483647  block_dim_limit_y: 65535  block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000  l2_cache_size: 52428800
+  device_memory_size: %d
+  cuda_compute_capability { major: 9 }
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 10 }
+device_description_str: "NVIDIA H200 (described)"
+""" % H200_BYTES
+
+
+def h200_device():
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(platform="cuda", topology_name="", topology="1x1x1",
+                                        target_config=H200)
+    return topo.devices[0]
+
+
+def compile_row(what: str, fn, args, device, **fields) -> dict:
+    """Compile `fn` for `device` at the abstract `args` (device None: only lower it for
+    CUDA, which needs no plugin); the row to print."""
+    import jax
+
+    row = {"kind": "gpu_compile", "what": what, **fields}
+    t0 = time.perf_counter()
+    if device is None:
+        try:
+            fn.trace(*args).lower(lowering_platforms=("cuda",))
+        except Exception as e:
+            return {**row, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        return {**row, "ok": True, "lower_only": True,
+                "lower_s": round(time.perf_counter() - t0, 1)}
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+                          if hasattr(a, "shape") else a, args)
+    try:
+        compiled = fn.trace(*placed).lower().compile()
+    except Exception as e:   # the compiler's verdict is the result
+        return {**row, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    text = compiled.as_text()
+    mem = compiled.memory_analysis()
+    return {**row, "ok": True, "compile_s": round(time.perf_counter() - t0, 1),
+            "temp_MB": round(getattr(mem, "temp_size_in_bytes", 0) / 1e6, 1),
+            "conditionals": text.count(" conditional("),
+            "unknown_trip_whiles": sum(1 for ln in text.splitlines() if " while(" in ln
+                                       and "known_trip_count" not in ln)}
+
+
+def kernel_rows(device, blocks: bool):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    from photon_jax import kvpool
+
+    rows, kv_heads, heads, dim, pages = 32, 32, 32, 64, 1024
+    pool = lambda page, dt: jax.ShapeDtypeStruct((kv_heads, pages, page, dim), dt)  # noqa
+    ints = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    kernel = jax.jit(lambda k, v, q, t, n: kvpool.kernel_attend((k,), (v,), q, t, n))
+    for dt in ("bfloat16", "float32"):
+        for page, width in ((64, 32), (64, 512), (32, 25), (16, 128), (128, 256), (256, 128)):
+            q = jax.ShapeDtypeStruct((rows, heads, dim), jnp.float32)
+            most = kvpool.kernel_max_positions(dt, dim)
+            yield compile_row("kernel", kernel, (pool(page, dt), pool(page, dt), q,
+                                                 ints(rows, width), ints(rows)), device,
+                              dtype=dt, page_size=page, table_width=width,
+                              blocks=kvpool.kernel_blocks(width, page, most),
+                              engine_refuses=page > most)
+    if not blocks:
+        return
+    for dt in ("bfloat16", "float32"):
+        for per in (1, 2, 4, 8, 16):
+            fn = jax.jit(lambda q, k, v, t, n, per=per: paged_attention(
+                q, k, v, t, n, k_splits=16, pages_per_compute_block=per))
+            q = jax.ShapeDtypeStruct((rows, heads, dim), jnp.dtype(dt))
+            yield compile_row("kernel", fn, (q, pool(64, dt), pool(64, dt), ints(rows, 512),
+                                             ints(rows)), device, dtype=dt, page_size=64,
+                              table_width=512, blocks=(16, per), positions_per_step=64 * per)
+
+
+def program_rows(device, batch: int, models):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from common import CONFIGS
+    from photon_jax import memory, meta as M, step as step_mod
+    from photon_jax.params import abstract_params
+    from photon_jax.text import unstack_layers
+
+    page = 64
+    for name in models:
+        cfg = CONFIGS[name]().with_dtype("bfloat16")
+        ctx = cfg.text.max_context
+        # What `memory.device_free` reads on a real H200: JAX's allocator takes 75% of the
+        # device by default (XLA_PYTHON_CLIENT_MEM_FRACTION).
+        plan = memory.plan(cfg, platform="gpu", max_batch_size=batch, max_context=ctx,
+                           page_size=page, free=int(0.75 * H200_BYTES), sweep=False)
+        params = jax.eval_shape(unstack_layers, abstract_params(cfg))
+        dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes,
+                                            page_size=page, max_batch_size=batch)
+        P = step_mod.build(cfg, step_mod.default_attention("gpu"),
+                           grouped=step_mod.default_grouped("gpu"),
+                           vision_loop=step_mod.default_vision_loop("gpu"))
+        meta = jax.ShapeDtypeStruct((M.M_TABLE + -(-ctx // page), batch), jnp.int32)
+        owners = jax.ShapeDtypeStruct((2, 1), jnp.int32)
+        samp = jax.ShapeDtypeStruct((step_mod.S_ALLOW + 1, batch), jnp.int32)
+        stack = lambda a, n=4: jax.ShapeDtypeStruct((n, *a.shape), a.dtype)  # noqa: E731
+        info = {"model": name, "batch": batch, "kv_cache_tokens": plan.kv_cache_tokens}
+        yield compile_row("program", P.forward, (params, dev.pool, dev.slots[0], dev.pending,
+                                                 meta, owners), device, program="forward",
+                          **info)
+        for (stochastic, region), prog in P.sample_step.items():
+            yield compile_row("program", prog, (params, dev.slots[0], dev.pending,
+                                                dev.tables, samp), device,
+                              program=f"sample_step{stochastic, region}", **info)
+        yield compile_row("program", P.ceiling, (params, dev.pool, dev.slots[0], dev.pending,
+                                                 dev.tables, stack(meta), stack(owners),
+                                                 samp), device, program="ceiling", **info)
+        # A prompt of 64 tokens after the image prefix, for 8 rows at once (the slot's rows
+        # at most).
+        rows, prompt = min(8, batch), 64
+        kv_len = -(-(cfg.prefix_len + prompt) // page) * page
+        pre, write, table = M.pack_prefill(
+            list(range(1, rows + 1)), [cfg.prefix_len] * rows, [cfg.prefix_len] * rows,
+            [prompt] * rows, [list(range(1, kv_len // page + 1))] * rows, rows, prompt,
+            kv_len, page)
+        ids = np.zeros((rows, prompt), np.int32)
+        yield compile_row("program", P.prefill_slot,
+                          (params, dev.pool, dev.slots[0], ids, ids,
+                           np.zeros((rows, prompt, 2), np.float32), pre, write, table),
+                          device, program="prefill_slot", rows=rows, **info)
+        yield from image_rows(P, params, cfg, device, info)
+
+
+def image_rows(P, params, cfg, device, info):
+    """The image prefix of a 1200 x 900 photo (its crops, the vision encoder, the prefix
+    K/V), and writing it into pool pages."""
+    import jax
+    import numpy as np
+    from PIL import Image
+
+    from photon_jax import image as image_mod
+
+    rgb = Image.fromarray(np.zeros((900, 1200, 3), np.uint8))
+    crops = image_mod.make_crops(rgb, cfg.vision)
+    src, ph, pw = image_mod.pool_operands(crops.tiling, cfg.vision)
+    yield compile_row("program", P.image_kv, (params, crops.crops, src, ph, pw), device,
+                      program="image_kv", crops=int(crops.crops.shape[0]), **info)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks", action="store_true",
+                    help="also the kernel at every pages-per-step from 1 to 16")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--kernel-only", action="store_true")
+    ap.add_argument("--models", nargs="+", default=["md2", "md3"],
+                    help="configs of bench/common.py (bfloat16)")
+    ap.add_argument("--lower-only", action="store_true",
+                    help="lower for CUDA instead of compiling (no plugin needed: the tests)")
+    args = ap.parse_args()
+    device = None if args.lower_only else h200_device()
+    env = {**env_info(), "target": "lowered for CUDA" if device is None else "H200, deviceless"}
+    for row in kernel_rows(device, args.blocks):
+        print(json.dumps({**row, **env}), flush=True)
+    if not args.kernel_only:
+        for row in program_rows(device, args.batch, args.models):
+            print(json.dumps({**row, **env}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
