@@ -104,6 +104,7 @@ def kernel_rows(device, blocks: bool):
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
     from photon_jax import kvpool
+    from photon_jax.dtypes import matmul_precision
 
     rows, kv_heads, heads, dim, pages = 32, 32, 32, 64, 1024
     pool = lambda page, dt: jax.ShapeDtypeStruct((kv_heads, pages, page, dim), dt)  # noqa
@@ -121,54 +122,79 @@ def kernel_rows(device, blocks: bool):
     if not blocks:
         return
     for dt in ("bfloat16", "float32"):
+        # At the precision `kvpool.kernel_attend` asks for (HIGHEST for float32: its tiles
+        # are larger than TF32's).
+        precision = matmul_precision(dt).name.lower()
         for per in (1, 2, 4, 8, 16):
-            fn = jax.jit(lambda q, k, v, t, n, per=per: paged_attention(
-                q, k, v, t, n, k_splits=16, pages_per_compute_block=per))
+            def fn(q, k, v, t, n, per=per):
+                with jax.default_matmul_precision(precision):
+                    return paged_attention(q, k, v, t, n, k_splits=16,
+                                           pages_per_compute_block=per)
             q = jax.ShapeDtypeStruct((rows, heads, dim), jnp.dtype(dt))
-            yield compile_row("kernel", fn, (q, pool(64, dt), pool(64, dt), ints(rows, 512),
+            yield compile_row("kernel", jax.jit(fn), (q, pool(64, dt), pool(64, dt), ints(rows, 512),
                                              ints(rows)), device, dtype=dt, page_size=64,
                               table_width=512, blocks=(16, per), positions_per_step=64 * per)
 
 
-def program_rows(device, batch: int, models):
+def decode_args(cfg, batch: int, page: int, free: int | None, kv_cache_tokens=None) -> dict:
+    """Abstract arguments (nothing allocated) of a GPU's decode-step programs for `batch`
+    rows at full context: params as a loaded model holds them, the device state with the
+    pool `memory.plan` gives (one arena: the kernel's), a step's metadata, the stand-in page
+    owners the kernels take, and the sampling rows.  Also used by
+    tests/test_gpu_lowering.py."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
-    from common import CONFIGS
     from photon_jax import memory, meta as M, step as step_mod
     from photon_jax.params import abstract_params
     from photon_jax.text import unstack_layers
 
+    ctx = cfg.text.max_context
+    plan = memory.plan(cfg, platform="gpu", max_batch_size=batch, max_context=ctx,
+                       page_size=page, kv_cache_tokens=kv_cache_tokens, free=free, sweep=False)
+    dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes, page_size=page,
+                                        max_batch_size=batch)
+    return {"plan": plan, "dev": dev,
+            "params": jax.eval_shape(unstack_layers, abstract_params(cfg)),
+            "meta": jax.ShapeDtypeStruct((M.M_TABLE + -(-ctx // page), batch), jnp.int32),
+            "owners": jax.ShapeDtypeStruct((2, 1), jnp.int32),
+            "samp": jax.ShapeDtypeStruct((step_mod.S_ALLOW + 1, batch), jnp.int32)}
+
+
+def stacked(a, steps: int):
+    """`a` for a scan of `steps` steps (the ceiling's per-step metadata)."""
+    import jax
+
+    return jax.ShapeDtypeStruct((steps, *a.shape), a.dtype)
+
+
+def program_rows(device, batch: int, models):
+    import jax
+    import numpy as np
+
+    from common import CONFIGS
+    from photon_jax import meta as M, step as step_mod
+
     page = 64
     for name in models:
         cfg = CONFIGS[name]().with_dtype("bfloat16")
-        ctx = cfg.text.max_context
         # What `memory.device_free` reads on a real H200: JAX's allocator takes 75% of the
         # device by default (XLA_PYTHON_CLIENT_MEM_FRACTION).
-        plan = memory.plan(cfg, platform="gpu", max_batch_size=batch, max_context=ctx,
-                           page_size=page, free=int(0.75 * H200_BYTES), sweep=False)
-        params = jax.eval_shape(unstack_layers, abstract_params(cfg))
-        dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes,
-                                            page_size=page, max_batch_size=batch)
-        P = step_mod.build(cfg, step_mod.default_attention("gpu"),
-                           grouped=step_mod.default_grouped("gpu"),
-                           vision_loop=step_mod.default_vision_loop("gpu"))
-        meta = jax.ShapeDtypeStruct((M.M_TABLE + -(-ctx // page), batch), jnp.int32)
-        owners = jax.ShapeDtypeStruct((2, 1), jnp.int32)
-        samp = jax.ShapeDtypeStruct((step_mod.S_ALLOW + 1, batch), jnp.int32)
-        stack = lambda a, n=4: jax.ShapeDtypeStruct((n, *a.shape), a.dtype)  # noqa: E731
-        info = {"model": name, "batch": batch, "kv_cache_tokens": plan.kv_cache_tokens}
+        a = decode_args(cfg, batch, page, free=int(0.75 * H200_BYTES))
+        params, dev = a["params"], a["dev"]
+        P = step_mod.build_for(cfg, "gpu")
+        info = {"model": name, "batch": batch, "kv_cache_tokens": a["plan"].kv_cache_tokens}
         yield compile_row("program", P.forward, (params, dev.pool, dev.slots[0], dev.pending,
-                                                 meta, owners), device, program="forward",
-                          **info)
+                                                 a["meta"], a["owners"]), device,
+                          program="forward", **info)
         for (stochastic, region), prog in P.sample_step.items():
             yield compile_row("program", prog, (params, dev.slots[0], dev.pending,
-                                                dev.tables, samp), device,
+                                                dev.tables, a["samp"]), device,
                               program=f"sample_step{stochastic, region}", **info)
         yield compile_row("program", P.ceiling, (params, dev.pool, dev.slots[0], dev.pending,
-                                                 dev.tables, stack(meta), stack(owners),
-                                                 samp), device, program="ceiling", **info)
+                                                 dev.tables, stacked(a["meta"], 4),
+                                                 stacked(a["owners"], 4), a["samp"]),
+                          device, program="ceiling", **info)
         # A prompt of 64 tokens after the image prefix, for 8 rows at once (the slot's rows
         # at most).
         rows, prompt = min(8, batch), 64
@@ -182,13 +208,21 @@ def program_rows(device, batch: int, models):
                           (params, dev.pool, dev.slots[0], ids, ids,
                            np.zeros((rows, prompt, 2), np.float32), pre, write, table),
                           device, program="prefill_slot", rows=rows, **info)
+        # An image prefix into pool pages (a cache miss), and a hit's partial-page copy.
+        t = cfg.text
+        kv = jax.ShapeDtypeStruct((t.n_layers, cfg.prefix_len, t.n_kv_heads, t.head_dim),
+                                  cfg.dtype)
+        at = np.zeros(cfg.prefix_len, np.int32)
+        yield compile_row("program", P.write_prefix_pages, (dev.pool, kv, kv, at, at), device,
+                          program="write_prefix_pages", **info)
+        yield compile_row("program", P.copy_pages, (dev.pool, at[:1], at[:1]), device,
+                          program="copy_pages", **info)
         yield from image_rows(P, params, cfg, device, info)
 
 
 def image_rows(P, params, cfg, device, info):
-    """The image prefix of a 1200 x 900 photo (its crops, the vision encoder, the prefix
-    K/V), and writing it into pool pages."""
-    import jax
+    """The image prefix of a 1200 x 900 photo: its crops through the vision encoder to the
+    prefix K/V."""
     import numpy as np
     from PIL import Image
 

@@ -174,12 +174,9 @@ def dense(x_MK, w, b_N, transposed: bool = False):
 def linear(x, p):
     """`layers.linear` through `dense`: x [..., K] times p["w"] [K, N] or p["w_vd"] [N, K],
     plus p["b"], in x's dtype."""
-    lead = x.shape[:-1]
-    if "w_vd" in p:
-        y = dense(x.reshape(-1, x.shape[-1]), p["w_vd"], p["b"], transposed=True)
-    else:
-        y = dense(x.reshape(-1, x.shape[-1]), p["w"], p["b"])
-    return y.reshape(*lead, y.shape[-1]).astype(x.dtype)
+    transposed = "w_vd" in p
+    y = dense(x.reshape(-1, x.shape[-1]), p["w_vd" if transposed else "w"], p["b"], transposed)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)
 
 
 def bytes_accessed(kv_bytes: int, n_layers: int, rows: int, n_heads: int, head_dim: int) -> int:

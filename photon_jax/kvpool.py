@@ -264,7 +264,7 @@ def kernel_max_positions(dtype, head_dim: int) -> int:
     return 1 << (n.bit_length() - 1)   # a power of 2, as the lowering needs
 
 
-def kernel_blocks(m: int, page_size: int, max_positions: int = 256) -> tuple[int, int]:
+def kernel_blocks(m: int, page_size: int, max_positions: int) -> tuple[int, int]:
     """(k_splits, pages_per_compute_block) of the Pallas kernel for page tables of width m:
     the table splits into k_splits partitions (as many as divide m, up to 16: parallelism
     at small batches), each walked `pages_per_compute_block` pages at a time.  That block

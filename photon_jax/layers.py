@@ -17,12 +17,8 @@ LN_EPS = 1e-5
 def linear(x, p):
     """x @ w + b, accumulated in float32, returned in x's dtype.  The weight is p["w"]
     [in, out], or p["w_vd"] [out, in] (the serving LM head: `text.unstack_layers`)."""
-    if "w_vd" in p:
-        y = jnp.einsum("...d,vd->...v", x, p["w_vd"], precision=matmul_precision(x.dtype),
-                       preferred_element_type=F32)
-    else:
-        y = jnp.einsum("...i,io->...o", x, p["w"], precision=matmul_precision(x.dtype),
-                       preferred_element_type=F32)
+    spec, w = ("...i,oi->...o", p["w_vd"]) if "w_vd" in p else ("...i,io->...o", p["w"])
+    y = jnp.einsum(spec, x, w, precision=matmul_precision(x.dtype), preferred_element_type=F32)
     return (y + p["b"].astype(F32)).astype(x.dtype)
 
 

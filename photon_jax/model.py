@@ -45,9 +45,7 @@ class Model:
         self.params = text.unstack_layers(params)
         self.device = resolve_device(device)
         self.attention = attention or step.default_attention(self.device.platform)
-        self.programs = step.build(cfg, self.attention,
-                                   grouped=step.default_grouped(self.device.platform),
-                                   vision_loop=step.default_vision_loop(self.device.platform))
+        self.programs = step.build_for(cfg, self.device.platform, self.attention)
         self.prompts = Prompts(tokenizer, cfg.tokenizer)
 
     @classmethod

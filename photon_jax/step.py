@@ -450,6 +450,14 @@ def build(cfg: MoondreamConfig, attention: str = "xla",
     return _build(cfg, attention, candidates, grouped, vision_loop, dense)
 
 
+def build_for(cfg: MoondreamConfig, platform: str, attention: str | None = None) -> Programs:
+    """The programs a device of `platform` ("cpu", "gpu", ...) gets: its default attention
+    (or `attention`), MoE prefill schedule and vision attention (`default_*`).  What
+    `Model` builds; the GPU tests and `bench/gpu_compile.py` build a GPU's this way too."""
+    return build(cfg, attention or default_attention(platform),
+                 grouped=default_grouped(platform), vision_loop=default_vision_loop(platform))
+
+
 @lru_cache(maxsize=16)
 def _build(cfg, attention, candidates, grouped, vision_loop, dense) -> Programs:
     c = {"cfg": cfg}

@@ -65,7 +65,8 @@ def test_gpu_compile_script_lowers_every_program_without_the_cuda_plugin():
     rows = run("gpu_compile.py", "--lower-only", "--models", "tiny", "--batch", "4")
     assert rows and all(r["ok"] and r["lower_only"] for r in rows), rows
     programs = {r["program"] for r in rows if r["what"] == "program"}
-    assert programs == {"forward", "ceiling", "prefill_slot", "image_kv",
+    assert programs == {"forward", "ceiling", "prefill_slot", "image_kv", "write_prefix_pages",
+                        "copy_pages",
                         "sample_step(False, False)", "sample_step(False, True)",
                         "sample_step(True, False)", "sample_step(True, True)"}
     kernels = [r for r in rows if r["what"] == "kernel"]

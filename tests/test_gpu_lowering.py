@@ -10,9 +10,9 @@ loop (`step.default_*`).  Two checks here, for Moondream 2 and Moondream 3:
   is recorded with the shapes and dtypes of its arguments; each is then built as a GPU gets
   it and lowered for CUDA.  Lowering runs Pallas's Triton lowering, so a block shape, dtype or grid
   the kernel rejects fails here, at the shapes the engine really uses.
-* The decode step at full Moondream 2 and Moondream 3 (32k context) shapes, batch 32, lowered
-  for CUDA from abstract shapes (nothing allocated): the kernel's page-table width and split
-  choices at real sizes.
+* The decode step and the ceiling at full Moondream 2 and Moondream 3 (32k context) shapes,
+  batch 32, lowered for CUDA from abstract shapes (nothing allocated): the kernel's
+  page-table width and split choices at real sizes.
 
 What lowering cannot check: the GPU compilers (`bench/gpu_compile.py` runs them for an H200
 without a GPU, where JAX's CUDA plugin is installed), and memory and speed at run time
@@ -21,6 +21,7 @@ without a GPU, where JAX's CUDA plugin is installed), and memory and speed at ru
 
 import dataclasses
 import os
+import sys
 import threading
 
 import jax
@@ -28,25 +29,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import kvpool, memory, meta as M, reference, step as step_mod
+from photon_jax import kvpool, reference, step as step_mod
 from photon_jax.config import moondream2, moondream3
 from photon_jax.engine import Engine, Request
 from photon_jax.model import Model
-from photon_jax.params import abstract_params
 from photon_jax.settings import Settings
-from photon_jax.text import unstack_layers
 
 from conftest import FIXTURE_DIR, biased_model, pallas_attention
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "bench"))
+
 TRITON = "__gpu$xla.gpu.triton"   # the custom call a Pallas GPU kernel lowers to
 IMAGES = [os.path.join(FIXTURE_DIR, f) for f in ("img_land800x600.png", "img_sq378.png")]
-
-
-def gpu_programs(cfg) -> step_mod.Programs:
-    """The programs `Model` builds on a GPU device."""
-    return step_mod.build(cfg, step_mod.default_attention("gpu"),
-                          grouped=step_mod.default_grouped("gpu"),
-                          vision_loop=step_mod.default_vision_loop("gpu"))
 
 
 def lower_for_cuda(fn, args) -> str:
@@ -124,9 +119,7 @@ def gpu_like_model(base: Model) -> Model:
     interpreter, except on a GPU), the ragged MoE prefill, the vision attention without the
     loop."""
     m = Model(base.cfg, base.params, base.prompts.tok, attention=pallas_attention())
-    m.programs = step_mod.build(base.cfg, pallas_attention(),
-                                grouped=step_mod.default_grouped("gpu"),
-                                vision_loop=step_mod.default_vision_loop("gpu"))
+    m.programs = step_mod.build_for(base.cfg, "gpu", pallas_attention())
     return m
 
 
@@ -153,7 +146,7 @@ def check_engine_on_gpu_programs(base: Model, n_requests: int):
     dispatched = {n if isinstance(n, str) else n[0] for n, _ in rec.calls.values()}
     assert {"image_kv", "write_prefix_pages", "copy_pages", "prefill_slot", "forward",
             "sample_step", "prefill", "decode"} <= dispatched, dispatched
-    lowered = lower_recorded(rec.calls, gpu_programs(model.cfg))
+    lowered = lower_recorded(rec.calls, step_mod.build_for(model.cfg, "gpu"))
     # Decode attention is the Pallas kernel (one kernel, called from every layer); nothing
     # else is.
     assert lowered["forward"] >= 1, lowered
@@ -225,31 +218,22 @@ def test_the_kernel_multiplies_float32_in_float32(dtype):
                                            (moondream2, "float32")])
 def test_the_full_size_decode_step_lowers_for_cuda(cfg_fn, dtype):
     """Batch 32 at the config's full context (Moondream 3: 32k positions, 512 pages a row),
-    the pool `memory.plan` gives a GPU, abstract shapes only."""
+    a pool for every row's whole context, abstract shapes only (the arguments
+    `bench/gpu_compile.py` compiles for an H200): the decode step and the ceiling's scan
+    call the kernel, and it reads the pool in the model's dtype, never a converted copy."""
+    from gpu_compile import decode_args, stacked
+
     cfg = cfg_fn().with_dtype(dtype)
-    batch, page = 32, 64
-    plan = memory.plan(cfg, platform="gpu", max_batch_size=batch,
-                       max_context=cfg.text.max_context, page_size=page,
-                       kv_cache_tokens=batch * cfg.text.max_context, free=None, sweep=False)
-    assert len(plan.arenas.sizes) == 1   # the kernel reads one arena
-    params = jax.eval_shape(unstack_layers, abstract_params(cfg))
-    dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes, page_size=page,
-                                        max_batch_size=batch)
-    max_pages = -(-cfg.text.max_context // page)
-    meta = jax.ShapeDtypeStruct((M.M_TABLE + max_pages, batch), jnp.int32)
-    pages = jax.ShapeDtypeStruct((2, 1), jnp.int32)   # the kernels take no page owners
-    P = gpu_programs(cfg)
-    text = lower_for_cuda(P.forward, (params, dev.pool, dev.slots[0], dev.pending, meta,
-                                      pages))
-    assert text.count(TRITON) >= 1
-    # The device-only ceiling `bench/gpu_md2.py` times (decode + sample steps in a scan).
-    steps = 2
-    stack = lambda a: jax.ShapeDtypeStruct((steps, *a.shape), a.dtype)   # noqa: E731
-    samp = jax.ShapeDtypeStruct((step_mod.S_ALLOW + 1, batch), jnp.int32)
+    a = decode_args(cfg, 32, 64, free=None, kv_cache_tokens=32 * cfg.text.max_context)
+    assert len(a["plan"].arenas.sizes) == 1   # the kernel reads one arena
+    params, dev = a["params"], a["dev"]
+    P = step_mod.build_for(cfg, "gpu")
+    text = lower_for_cuda(P.forward, (params, dev.pool, dev.slots[0], dev.pending, a["meta"],
+                                      a["owners"]))
     ceiling = lower_for_cuda(P.ceiling, (params, dev.pool, dev.slots[0], dev.pending,
-                                         dev.tables, stack(meta), stack(pages), samp))
-    assert ceiling.count(TRITON) >= 1
-    # The kernel reads the pool where it lies, in the model's dtype: never a converted copy.
+                                         dev.tables, stacked(a["meta"], 2),
+                                         stacked(a["owners"], 2), a["samp"]))
+    assert text.count(TRITON) >= 1 and ceiling.count(TRITON) >= 1
     k, pages_n, t, h = dev.pool.k[0][0].shape
     kv_type = {"bfloat16": "bf16", "float32": "f32"}[dtype]
     assert f"tensor<{k}x{pages_n}x{t}x{h}x{kv_type}>" in text

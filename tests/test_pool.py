@@ -375,9 +375,8 @@ def test_a_small_pool_makes_requests_wait_evicts_and_recreates_prefixes(model, t
             # Every row holds all its pages: the pool, not max_batch_size, bounds the rows.
             assert peak <= fits < 8
         # (With the cache and the kernels, rows on a cached image share its prefix pages and
-        # hold only a page or two of their own, so how many run at once depends on how many
-        # distinct images the running rows use: the threads' timing.  This bound held until
-        # a run where 5 rows ran.)
+        # hold only a page or two of their own: how many run at once then depends on how
+        # many distinct images the running rows use, i.e. on the threads' timing.)
         if cache:
             # Every image request was a hit or a miss.  How many of each depends on the
             # threads' timing; eviction and re-creation are checked deterministically by
