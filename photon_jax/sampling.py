@@ -6,16 +6,19 @@ fold_in(PRNGKey(seed), i).  A row's draw therefore never depends on batch compos
 timing or mode (pipelined, blocking, one request at a time).
 
 Top-p.  The reference sorts the probabilities, keeps every token whose cumulative mass
-*before* it is at most top_p, and draws among them (`jax.random.categorical`, i.e. the
-argmax of log-probability + Gumbel noise, one noise value per sorted position).  Here the
-`candidates` most probable tokens (`lax.top_k`: the same order as a stable descending sort)
-take the place of the full sort.  Whenever the nucleus fits in the candidates -- the mass
-of the first `candidates` tokens exceeds top_p -- the kept set is the same, and so is the
-draw: JAX's partitionable threefry (its default) makes the Gumbel noise of the first n
-positions of a length-V sample equal to a length-n sample from the same key, which
-`tests/test_sampling.py` checks against the full sort.  When the nucleus is larger, the draw
-is among the `candidates` most probable tokens (a documented cap: `Engine(...,
-top_p_candidates=)`, default 256).
+*before* it is at most top_p, and draws among them.  Here the `candidates` most probable
+tokens (`lax.top_k`: the same order as a stable descending sort) take the place of the full
+sort; whenever the nucleus fits in them -- the mass of the first `candidates` tokens exceeds
+top_p -- the kept set is the same.  When the nucleus is larger, the draw is among the
+`candidates` most probable tokens (a documented cap: `step.build(candidates=)`, default 256).
+
+The draw is Gumbel-max with one noise value per *token id*, `gumbel(fold_in(key, id))`:
+the kept token maximising log p + its own noise.  Noise per sorted position (what
+`jax.random.categorical` over the sorted list does) ties the draw to the order of the
+candidates, and two tokens whose probabilities differ by a rounding error (random-weight
+models have many) swap places between two programs that round differently -- another batch
+shape, the one-request path, a GPU -- and the same position then names the other token.
+With noise per id such a swap changes nothing unless the two leading scores themselves tie.
 
 Whether any row samples is known on the host, so the greedy path is a separate program
 variant (`step.build`), not a device-side branch.
@@ -50,9 +53,12 @@ def _top_p_draw(logits_V, temperature, top_p, key, candidates: int):
     cum = jnp.cumsum(probs)
     # Drop every entry whose cumulative mass *before* it already exceeds top_p.
     kept = jnp.where(cum - probs > top_p, 0.0, probs)
-    kept = kept / kept.sum()
-    idx = jax.random.categorical(key, jnp.log(kept))
-    return ids[idx]
+    return ids[jnp.argmax(jnp.log(kept) + id_noise(key, ids))]
+
+
+def id_noise(key, ids):
+    """Standard Gumbel noise of each token id in `ids` for this key (module docstring)."""
+    return jax.vmap(lambda i: jax.random.gumbel(jax.random.fold_in(key, i), dtype=F32))(ids)
 
 
 def draw(logits_RV, temperature_R, top_p_R, seed_R, index_R,

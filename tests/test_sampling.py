@@ -1,5 +1,6 @@
 """Top-p over a candidate set equals the reference's full sort whenever the nucleus fits in
-the candidates: the same kept set and the same draw from the same key."""
+the candidates: the same kept set and the same draw from the same key; and a draw does not
+change when nearly tied candidates swap places (noise per token id, not per position)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,15 +11,14 @@ from photon_jax import sampling
 
 
 def full_sort_draw(logits_V, temperature, top_p, key):
-    """The reference's top-p, as photon_jax ran it before the candidate cap: softmax, a
-    stable descending sort of the whole vocabulary, cumulative mass, categorical."""
+    """The reference's top-p over the whole vocabulary: softmax, a stable descending sort,
+    cumulative mass, then Gumbel-max with each token's own noise."""
     probs = jax.nn.softmax(logits_V / temperature)
     order = jnp.argsort(-probs, stable=True)
     sorted_p = probs[order]
     cum = jnp.cumsum(sorted_p)
     kept = jnp.where(cum - sorted_p > top_p, 0.0, sorted_p)
-    kept = kept / kept.sum()
-    return order[jax.random.categorical(key, jnp.log(kept))]
+    return order[jnp.argmax(jnp.log(kept) + sampling.id_noise(key, order))]
 
 
 def nucleus_size(logits_V, temperature, top_p):
@@ -67,3 +67,40 @@ def test_greedy_rows_and_the_greedy_variant_take_the_argmax():
     ban = -jnp.ones((5, 1), jnp.int32)
     assert np.asarray(sampling.sample(logits, ban, z, z + 1, i, i, stochastic=False)).tolist() \
         == want.tolist()
+
+
+def test_a_draw_survives_near_ties_swapping_places():
+    """Two programs that round differently (another batch shape, the one-request path, a GPU)
+    can swap two candidates whose probabilities differ by an ulp.  With noise per token id
+    the draw stays; with noise per sorted position (jax.random.categorical over the sorted
+    candidates) it moves to whichever token lands on the winning position."""
+    rng = np.random.default_rng(5)
+    r, v = 256, 512
+    logits = rng.normal(size=(r, v)).astype(np.float32)
+    # Pairs of near-ties among the most probable tokens, and the same logits with each pair's
+    # order swapped by one ulp (what a different rounding does).
+    top = np.argsort(-logits, axis=1)[:, :40]
+    swapped = logits.copy()
+    for i in range(r):
+        for a, b in top[i].reshape(-1, 2):
+            logits[i, b] = logits[i, a]
+            swapped[i, a] = logits[i, a]
+            swapped[i, b] = np.nextafter(logits[i, a], np.float32(np.inf))
+    t = np.full(r, 1.0, np.float32)
+    p = np.full(r, 0.95, np.float32)
+    seed = np.arange(r, dtype=np.int32)
+    index = np.zeros(r, np.int32)
+    draw = jax.jit(lambda lg: sampling.draw(lg, t, p, seed, index, 64))
+    a, b = np.asarray(draw(jnp.asarray(logits))), np.asarray(draw(jnp.asarray(swapped)))
+    assert (a == b).all()
+
+    def by_position(lg):
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seed, index)
+
+        def one(lg_V, key):
+            probs, ids = jax.lax.top_k(jax.nn.softmax(lg_V), 64)
+            kept = jnp.where(jnp.cumsum(probs) - probs > 0.95, 0.0, probs)
+            return ids[jax.random.categorical(key, jnp.log(kept))]
+        return np.asarray(jax.jit(jax.vmap(one))(jnp.asarray(lg), keys))
+
+    assert (by_position(logits) != by_position(swapped)).sum() > r // 20
