@@ -61,10 +61,10 @@ device_description_str: "NVIDIA H200 (described)"
 
 
 def h200_device():
-    from jax.experimental import topologies
+    from photon_jax import compat
 
-    topo = topologies.get_topology_desc(platform="cuda", topology_name="", topology="1x1x1",
-                                        target_config=H200)
+    topo = compat.topology_desc(platform="cuda", topology_name="", topology="1x1x1",
+                                target_config=H200)
     return topo.devices[0]
 
 
@@ -101,9 +101,8 @@ def compile_row(what: str, fn, args, device, **fields) -> dict:
 def kernel_rows(device, blocks: bool):
     import jax
     import jax.numpy as jnp
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-
     from photon_jax import kvpool
+    from photon_jax.compat import pallas_gpu_paged_attention
     from photon_jax.dtypes import matmul_precision
 
     rows, kv_heads, heads, dim, pages = 32, 32, 32, 64, 1024
@@ -125,6 +124,7 @@ def kernel_rows(device, blocks: bool):
         # At the precision `kvpool.kernel_attend` asks for (HIGHEST for float32: its tiles
         # are larger than TF32's).
         precision = matmul_precision(dt).name.lower()
+        paged_attention = pallas_gpu_paged_attention()
         for per in (1, 2, 4, 8, 16):
             def fn(q, k, v, t, n, per=per):
                 with jax.default_matmul_precision(precision):

@@ -590,7 +590,10 @@ class Engine:
             dev.slots[st.slot], dev.pending = sampler(
                 self.model.params, dev.slots[st.slot], dev.pending, dev.tables, samp_d)
             st.out = self.dev.slots[st.slot].out
-            st.out.copy_to_host_async()
+        # Started outside the guard: on an accelerator jaxlib applies the device-to-host
+        # guard inside copy_to_host_async itself (CPU buffers are zero-copy and exempt).
+        # Starting a copy only enqueues it; commit waits for it a step later.
+        st.out.copy_to_host_async()
         for s in st.seqs:
             s.pending_ready = True
         self.pipe.on_sampled(st)

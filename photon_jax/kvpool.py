@@ -38,7 +38,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from . import cpukernel
+from . import compat, cpukernel
 from .config import TextConfig
 from .dtypes import F32, jnp_dtype, matmul_precision
 from .layers import attention
@@ -234,8 +234,7 @@ def kernel_attend(arenas_k: tuple, arenas_v: tuple, q_RQH, pt_RM, length_R, *,
                   interpret: bool = False):
     """The same attention by JAX's Pallas GPU paged-attention kernel, which walks each row's
     page table up to its length (one arena: global page ids are its indices)."""
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-
+    paged_attention = compat.pallas_gpu_paged_attention()
     if len(arenas_k) != 1:
         raise ValueError("the paged-attention kernel reads a single-arena pool")
     dtype = arenas_k[0].dtype

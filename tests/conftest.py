@@ -10,6 +10,8 @@ import tempfile
 import numpy as np
 import pytest
 
+from helpers import biased_model  # noqa: F401  (tests import it from here)
+
 # One persistent XLA compilation cache for the session, shared with the subprocesses the CLI
 # and benchmark tests start (set before JAX is imported): each program compiles once per
 # session instead of once per process.  A cache the caller set up is used as it is.
@@ -18,6 +20,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# The whole suite runs under a GPU's device-to-host transfer rule (photon_jax.hostsync:
+# host copies and implicit reads raise under a "disallow" guard, uploaded NumPy arrays become
+# read-only), in this process and in the CLI and benchmark subprocesses: a CPU's zero-copy
+# buffers would otherwise hide what fails on a GPU's first step.
+os.environ.setdefault("PHOTON_JAX_GPU_RULES", "1")
 # Snapshots converted on load go to a session folder, never the user's own cache.
 if "PHOTON_JAX_CACHE" not in os.environ:
     _CKPT_CACHE = tempfile.mkdtemp(prefix="photon-test-ckpt-")
@@ -96,19 +103,3 @@ def pallas_attention() -> str:
     import jax
 
     return "pallas" if jax.default_backend() == "gpu" else "pallas-interpret"
-
-
-def biased_model(ckpt: str, biases: dict):
-    """The checkpoint's model with `biases` ({token id: value}) added to the LM head's bias:
-    random weights rarely emit EOS, coordinates or grounding ids on their own."""
-    import jax
-
-    from photon_jax.model import Model
-
-    base = Model.load(ckpt)
-    params = jax.tree.map(lambda x: x, base.params)
-    head = dict(params["text"]["lm_head"])
-    for tok, val in biases.items():
-        head["b"] = head["b"].at[tok].add(val)
-    params["text"] = {**params["text"], "lm_head": head}
-    return Model(base.cfg, params, base.prompts.tok, device=base.device)
