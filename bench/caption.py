@@ -166,6 +166,10 @@ def main(argv=None) -> int:
                     help="run photon-caption from this source tree (PYTHONPATH=DIR), e.g. a "
                          "`git worktree` of an older commit, for before/after numbers on the "
                          "same images and checkpoints")
+    ap.add_argument("--compile-cache", default=None, metavar="DIR",
+                    help="use this persistent compile cache for the passes instead of an "
+                         "empty one per configuration (bench/gpu_run.py shares one across "
+                         "its steps); `cold` then compiles only what is not in it")
     ap.add_argument("--keep", default=None, metavar="DIR",
                     help="write (or reuse) the images and checkpoints here instead of a "
                          "temporary folder")
@@ -189,7 +193,7 @@ def main(argv=None) -> int:
                 # Each configuration in its own process with its own empty compile cache:
                 # "cold" compiles everything it meets.
                 rows = _child(["_passes", *common_args],
-                              {**env, "JAX_COMPILATION_CACHE_DIR":
+                              {**env, "JAX_COMPILATION_CACHE_DIR": args.compile_cache or
                                tempfile.mkdtemp(dir=tmp, prefix="xla-")}, tmp)
                 if args.processes:
                     cache = tempfile.mkdtemp(dir=tmp, prefix="xla-")

@@ -150,9 +150,20 @@ def requests(model, enc, batch: int, steps: int, settings=None, ignore_eos=True,
 
 # -- a decode step's device state, built the engine's way -------------------------------------
 
-def memory_plan(model, batch: int, page_size: int = 64, kv_cache_tokens: int | None = None):
-    """The pool an Engine(max_batch_size=batch) would get on this backend (a GPU gets just
-    what the run needs, not 90% of its memory)."""
+def run_tokens(batch: int, positions: int, page_size: int = 64) -> int:
+    """KV positions a run of `batch` rows reaching `positions` each needs: whole pages per
+    row and one spare row's worth (an accelerator's pool is sized to the run, not to 90% of
+    its memory: Moondream 3's 32k context x 32 rows would ask for 206 GB)."""
+    from photon_jax.pages import pages_for
+
+    return (batch + 1) * pages_for(positions + 1, page_size) * page_size
+
+
+def memory_plan(model, batch: int, page_size: int = 64, kv_cache_tokens: int | None = None,
+                positions: int | None = None):
+    """The pool an Engine(max_batch_size=batch) would get on this backend; on an accelerator
+    just what `batch` rows of `positions` positions need (`run_tokens`; default: the whole
+    context)."""
     import jax
 
     from photon_jax import memory, step
@@ -160,7 +171,7 @@ def memory_plan(model, batch: int, page_size: int = 64, kv_cache_tokens: int | N
     cfg = model.cfg
     plat = jax.devices()[0].platform
     if kv_cache_tokens is None and plat != "cpu":
-        kv_cache_tokens = batch * cfg.text.max_context
+        kv_cache_tokens = run_tokens(batch, positions or cfg.text.max_context, page_size)
     return memory.plan(cfg, platform=plat, max_batch_size=batch,
                        max_context=cfg.text.max_context, page_size=page_size,
                        kv_cache_tokens=kv_cache_tokens, free=None if plat != "cpu" else
@@ -215,7 +226,7 @@ def device_state(model, batch: int, steps: int, page_size: int = 64,
     from photon_jax import constraints, step as step_mod
 
     cfg = model.cfg
-    plan = memory_plan(model, batch, page_size)
+    plan = memory_plan(model, batch, page_size, positions=start(model, prompt_tokens) + steps)
     metas, pages, n_arenas = decode_metas(model, batch, start(model, prompt_tokens), steps,
                                           plan, owners=step_mod.sweeps(model.attention))
     dev = step_mod.DeviceState.init(cfg, arena_sizes=plan.arenas.sizes[:n_arenas],
@@ -318,7 +329,7 @@ def engine_run(model, enc, batch: int, steps: int, pipelined: bool, host_work_ms
 
     # An accelerator's default pool is most of its memory; the run needs only this much.
     tokens = None if jax.devices()[0].platform == "cpu" else \
-        batch * model.cfg.text.max_context
+        run_tokens(batch, start(model, prompt_tokens) + steps + 1)
     eng = Engine(model, max_batch_size=batch, pipelined=pipelined, host_work_ms=host_work_ms,
                  prefill_tokens=batch * model.cfg.text.max_context, kv_cache_tokens=tokens)
     try:

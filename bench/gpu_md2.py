@@ -15,7 +15,10 @@ One JSON line per (model, batch), kind "gpu":
                         have used if it moved exactly the floor
   floor_ratio_4.8, floor_ratio_4.3   the ceiling's step time over the floor's time at 4.8
                         TB/s (H200's datasheet) and 4.3 TB/s (measured copy bandwidth)
---ceiling-only skips the engine loops.  --trace DIR writes a 5-step `jax.profiler` trace of
+  bubble_blocking, bubble_pipelined   1 - loop tok/s / ceiling tok/s: the share of each
+                        loop's step in which the device waits for the host
+--ceiling-only skips the engine loops; --md3-only / --no-md3 pick the rows; --md3-loops runs
+the engine loops for Moondream 3 too.  The pool is sized to what the run needs.  --trace DIR writes a 5-step `jax.profiler` trace of
 the ceiling under DIR.  The Moondream 3 row (random weights at full shape, ceiling only)
 uses fewer layers if the full model does not fit the device, and says how many.
 
@@ -83,6 +86,9 @@ def main(argv=None) -> int:
                     help="first decode position (image prefix + prompt before it)")
     ap.add_argument("--ceiling-only", action="store_true")
     ap.add_argument("--no-md3", action="store_true", help="skip the Moondream 3 row")
+    ap.add_argument("--md3-only", action="store_true", help="only the Moondream 3 row")
+    ap.add_argument("--md3-loops", action="store_true",
+                    help="the engine loops for Moondream 3 too (default: its ceiling only)")
     ap.add_argument("--trace", metavar="DIR", help="write a 5-step profiler trace here")
     ap.add_argument("--bandwidth", type=float, nargs="+", default=[4.8e12, 4.3e12],
                     help="bytes/s for the floor")
@@ -94,9 +100,9 @@ def main(argv=None) -> int:
     cache = compile_cache.enable()
     print(f"device: {jax.devices()[0]}; compilation cache: {cache}", file=sys.stderr)
     t_start = time.perf_counter()
-    rows = [(args.config, None)]
+    rows = [] if args.md3_only else [(args.config, None)]
     if not args.no_md3:
-        rows.append((MD3_FOR[args.config], "ceiling"))
+        rows.append((MD3_FOR[args.config], None if args.md3_loops else "ceiling"))
     for config, only in rows:
         cfg = CONFIGS[config]()
         note = {}
@@ -126,12 +132,18 @@ def main(argv=None) -> int:
             row.update({k: cost[k] for k in ("bytes_accessed", "floor_bytes", "weights_bytes",
                                              "attended_kv_bytes")})
             row.update(floor_fields(cost, row["device_ms"], args.bandwidth))
+            if "pipelined_tok_s" in row:
+                # The bubble: the share of a loop's step in which the device has nothing to
+                # do, against the device-only ceiling of the same step.
+                for loop in ("blocking", "pipelined"):
+                    row[f"bubble_{loop}"] = round(1 - row[f"{loop}_tok_s"] /
+                                                  row["ceiling_tok_s"], 3)
             if args.trace and only is None:
                 row["trace"] = trace(model, batch, os.path.join(args.trace, f"b{batch}"),
                                      prompt)
-            print(json.dumps({"kind": "gpu", "config": config.removesuffix("_fit"),
+            print(json.dumps({**row, "kind": "gpu", "config": config.removesuffix("_fit"),
                               "batch": batch, "first_position": model.cfg.prefix_len + prompt,
-                              **row, **note, "seconds": round(time.perf_counter() - t0, 1),
+                              **note, "seconds": round(time.perf_counter() - t0, 1),
                               "total_seconds": round(time.perf_counter() - t_start, 1),
                               **env_info()}), flush=True)
         del model

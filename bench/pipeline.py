@@ -5,7 +5,7 @@ tokens/s of
   - the blocking loop   (the engine with pipelined=False: launch, sample, wait, commit),
   - the pipelined loop  (the engine: commit t while forward t+1 runs),
   - the ceiling         (the same forward + sample step iterated inside one jitted
-                         `lax.fori_loop`: the device alone, no host work at all),
+                         `lax.scan`: the device alone, no host work at all),
 over the same fixed number of decode steps with EOS ignored, plus the measured parts of a
 step: `device_ms` (the ceiling's step), `forward_ms` and `sample_ms` (each program alone,
 synchronised, over the attended-length buckets the run goes through), `host_ms` (the

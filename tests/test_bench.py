@@ -3,6 +3,7 @@ here looks at the numbers: timings are never asserted in tests."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -49,14 +50,48 @@ def test_prefill_bench_smoke():
     assert all(r["images_per_s"] > 0 for r in rows if "images_per_s" in r)
 
 
-def test_gpu_script_runs_on_cpu_at_a_small_config():
-    rows = run("gpu_md2.py", "--config", "tiny", "--batch", "2", "--steps", "2",
-               "--position", "760")
-    assert [(r["config"], r["batch"]) for r in rows] == [("tiny", 2), ("small_md3", 2)]
-    for r in rows:
-        assert r["ceiling_tok_s"] > 0 and r["bytes_accessed"] > 0 and r["achieved_GBps"] > 0
-        assert r["floor_ratio_4.8"] > 0 and r["first_position"] == 760
-    assert rows[0]["pipelined_tok_s"] > 0 and rows[0]["blocking_tok_s"] > 0
+def test_gpu_run_smoke_runs_every_step_on_cpu(tmp_path):
+    """bench/gpu_run.sh --cpu-smoke: every step of the GPU run at a tiny config, through the
+    same wrapper the GPU machine runs, results written step by step."""
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_run.sh"), "--cpu-smoke",
+                        "--out", str(out), "--work", str(tmp_path / "work")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=1200,
+                       env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["status"]) for x in rows] == [
+        (s, "ok") for s in ("env", "kernels", "engine", "md2", "caption", "md3")]
+    assert sorted(os.listdir(out)) == ["01-env.log", "02-kernels.log", "03-engine.log",
+                                       "04-md2.log", "05-caption.log", "06-md3.log",
+                                       "summary.jsonl"]   # within the 8 files a device returns
+    res = {x["step"]: x["results"] for x in rows}
+    env = res["env"][0]
+    assert env["backend"] == "cpu" and env["gpu_rules_emulated"]
+    assert set(env["compat"].values()) == {"ok"}
+    assert "collected" in res["kernels"][-1]["pytest"]
+    assert res["engine"][-1]["all_equal"] and res["engine"][-1]["surfaces"] >= 14
+    md2, md3 = res["md2"][-1], res["md3"][-1]
+    assert (md2["config"], md2["batch"], md3["config"]) == ("tiny", 2, "small_md3")
+    for key in ("ceiling_tok_s", "pipelined_tok_s", "blocking_tok_s", "floor_ratio_4.8",
+                "bubble_blocking", "bubble_pipelined"):
+        assert key in md2
+    assert md3["ceiling_tok_s"] > 0 and md3["first_position"] == 760
+    assert [c["pass"] for c in res["caption"]] == ["cold", "warm"]
+    # Each step reports its share of the budget as it ends.
+    assert len(re.findall(r"^\[\d/6 \w+\] ok in [\d.]+ s \(allotted \d+ s, limit \d+ s\); "
+                          r"run \d+:\d\d of \d+:\d\d$", r.stdout, re.M)) == 6
+
+
+def test_gpu_run_dry_run_prints_the_plan():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_run.py"),
+                        "--dry-run"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0
+    lines = r.stdout.splitlines()
+    assert "budget 480 s" in lines[0]
+    assert [ln.split()[1] for ln in lines[1:7]] == ["env", "kernels", "engine", "md2",
+                                                   "caption", "md3"]
+    assert sum(int(ln.split()[2]) for ln in lines[1:7]) <= 480
 
 
 def test_gpu_compile_script_lowers_every_program_without_the_cuda_plugin():
