@@ -64,7 +64,8 @@ def load_image(image) -> Image.Image:
         return _decode(io.BytesIO(bytes(image)), f"the {len(image)}-byte image")
     if isinstance(image, Image.Image):
         with _PIL_LOCKS[id(image) % len(_PIL_LOCKS)]:   # lazy load: see pil_pixels
-            return _to_rgb(image, "the PIL image").copy()
+            rgb = _to_rgb(image, "the PIL image")
+            return rgb.copy() if rgb is image else rgb   # loaded, and ours from here on
     if isinstance(image, np.ndarray):
         a = image
         if a.dtype != np.uint8:

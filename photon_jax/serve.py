@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import base64
 import binascii
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -798,6 +799,7 @@ def create_app(model, config: ServeConfig | None = None) -> Starlette:
     def skill(name):
         return wrap(name, lambda r: server.skill(r, name))
 
+    @contextlib.asynccontextmanager
     async def lifespan(app):
         server.start_loading()
         try:
