@@ -540,6 +540,7 @@ class Server:
         """Server-sent events from the async iterator `events` (dicts, or "[DONE]"), with
         the disconnect watch and the deadline; the call's handles are cancelled if the
         stream ends early for any reason."""
+        t0 = time.perf_counter()
         deadline = None if self.config.request_timeout is None else \
             time.monotonic() + self.config.request_timeout
 
@@ -571,6 +572,7 @@ class Server:
                     if not h.done():
                         h.cancel()
                 await _aclose(it)
+                self.metrics.latency.labels(route).observe(time.perf_counter() - t0)
 
         self.metrics.requests.labels(route, "200").inc()
         return StreamingResponse(body(), media_type="text/event-stream",
@@ -614,9 +616,9 @@ class Server:
             log.exception("%s failed", name)
             resp = ApiError(500, f"internal error: {type(e).__name__}: {e}",
                             "server_error").response()
-        if not isinstance(resp, StreamingResponse):
+        if not isinstance(resp, StreamingResponse):   # a stream counts itself when it ends
             self.metrics.requests.labels(name, str(resp.status_code)).inc()
-        self.metrics.latency.labels(name).observe(time.perf_counter() - t0)
+            self.metrics.latency.labels(name).observe(time.perf_counter() - t0)
         return resp
 
     async def skill(self, request: HTTPRequest, route: str) -> Response:
@@ -917,8 +919,18 @@ def main(argv: list[str] | None = None) -> int:
                               compile_cache=not args.no_compile_cache,
                               warmup=not args.no_warmup)
 
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                log.info("signal %d: no new connections; finishing in-flight requests (up "
+                         "to --grace %s s)", sig, args.grace)
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises the signal after its graceful stop (exit status 128 + sig);
+            # a stop that finished its requests is a clean exit: status 0.
+            self._captured_signals.clear()
+
     app = create_app(load, config)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level,
                                            timeout_graceful_shutdown=args.grace))
     state = app.state.server

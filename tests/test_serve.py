@@ -469,3 +469,67 @@ def test_disconnect_cancels_and_backpressure(live):
     st, _, out = call(live, "/v1/caption", {"image_url": data_uri(SQ), "length": "short",
                                             "settings": S})
     assert st == 200 and out == live.md.caption(uri_bytes(data_uri(SQ)), "short", settings=S)
+
+
+# -- the command line: start, serve, SIGTERM finishes in-flight requests, exit 0 -----------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_serves_and_stops_gracefully_on_sigterm(tiny_ckpt, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "photon_jax.serve", "--model", tiny_ckpt,
+                             "--port", str(port), "--batch-size", "4", "--no-warmup",
+                             "--log-level", "warning", "--grace", "20"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "photon-serve did not become healthy"
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.2)
+        # A stream in flight when SIGTERM arrives runs to its end; then the process exits 0.
+        body = json.dumps({"image_url": data_uri(SQ), "stream": True, "settings": {
+            "temperature": 50, "top_p": 1, "max_tokens": 300}}).encode()
+        req = urllib.request.Request(base + "/v1/caption", data=body,
+                                     headers={"Content-Type": "application/json"})
+        events = []
+
+        def read():
+            with urllib.request.urlopen(req, timeout=60) as r:
+                for line in r:
+                    if line.startswith(b"data: "):
+                        events.append(json.loads(line[6:]))
+
+        t = threading.Thread(target=read)
+        t.start()
+        _until(lambda: events, 60)
+        proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert events[-1]["completed"] and events[-1]["finish_reason"] in ("stop", "length")
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+    # A model that cannot load stops the server with exit status 1.
+    bad = subprocess.run([sys.executable, "-m", "photon_jax.serve", "--model",
+                          str(tmp_path / "missing"), "--port", str(_free_port()),
+                          "--log-level", "critical"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "failed to load" in bad.stderr
