@@ -533,3 +533,20 @@ def test_cli_serves_and_stops_gracefully_on_sigterm(tiny_ckpt, tmp_path):
                           str(tmp_path / "missing"), "--port", str(_free_port()),
                           "--log-level", "critical"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "failed to load" in bad.stderr
+
+
+def test_bench_serve_smoke():
+    """bench/serve.py end to end at a tiny size (its numbers are never asserted)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "serve.py"), "--clients",
+                        "3", "--requests", "6", "--max-tokens", "3", "--images", "2",
+                        "--batch-size", "2", "--max-seconds", "60"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")][0]
+    assert row["bench"] == "serve" and row["requests"] == 6
+    assert row["lost"] == row["duplicated"] == row["mismatched"] == row["errors"] == 0
+    assert row["requests_per_s"] > 0 and row["inprocess_requests_per_s"] > 0
