@@ -44,7 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request as HTTPRequest
+from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -445,11 +445,15 @@ class Server:
             if int(cl) > limit:
                 raise too_big
         chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                n += len(chunk)
+                if n > limit:
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ApiError(499, "client closed the request while sending it",
+                           "cancelled") from None
         raw = b"".join(chunks)
         try:
             body = json.loads(raw)

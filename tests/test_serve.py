@@ -550,3 +550,34 @@ def test_bench_serve_smoke():
     assert row["bench"] == "serve" and row["requests"] == 6
     assert row["lost"] == row["duplicated"] == row["mismatched"] == row["errors"] == 0
     assert row["requests_per_s"] > 0 and row["inprocess_requests_per_s"] > 0
+
+
+def test_remote_images_only_when_allowed(live, tmp_path):
+    """--allow-remote-images fetches http(s) URLs (a loopback file server here), capped at
+    the body limit; without it they are refused (see BAD)."""
+    import functools
+    import http.server
+    import shutil
+
+    shutil.copy(SQ, tmp_path / "sq.png")
+    (tmp_path / "big.bin").write_bytes(b"\0" * (3 << 20))   # over the 2 MiB limit
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a: None
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    t = threading.Thread(target=files.serve_forever, daemon=True)
+    t.start()
+    base = f"http://127.0.0.1:{files.server_address[1]}"
+    live.state.config.allow_remote_images = True
+    try:
+        st, _, out = call(live, "/v1/caption", {"image_url": base + "/sq.png",
+                                                "length": "short", "settings": S})
+        with open(SQ, "rb") as f:
+            assert st == 200 and out == live.md.caption(f.read(), "short", settings=S)
+        st, _, out = call(live, "/v1/caption", {"image_url": base + "/big.bin"})
+        assert st == 400 and "limit" in out["error"]["message"]
+        st, _, out = call(live, "/v1/caption", {"image_url": base + "/missing.png"})
+        assert st == 400 and "cannot fetch" in out["error"]["message"]
+    finally:
+        live.state.config.allow_remote_images = False
+        files.shutdown()
+        t.join(10)
