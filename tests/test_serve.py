@@ -581,3 +581,65 @@ def test_remote_images_only_when_allowed(live, tmp_path):
         live.state.config.allow_remote_images = False
         files.shutdown()
         t.join(10)
+
+
+def test_segment_route_shapes_for_moondream3():
+    """/v1/segment's answer and stream shapes, on a stand-in for a Moondream 3 model whose
+    requests finish with a fixed result (the real segment skill is tested in
+    test_md3_engine; a Moondream 3 compile here would double this file's time)."""
+    import types
+
+    from photon_jax.api import _Call
+    from photon_jax.request import Handle, Request
+
+    result = {"path": "M 0.1 0.2 L 0.3 0.4 Z", "ids": [5], "finish_reason": "stop",
+              "output_tokens": 7, "bbox": {"x_min": 0.1, "y_min": 0.2, "x_max": 0.3,
+                                           "y_max": 0.4}}
+    seen = []
+
+    class MD3:
+        can_segment = True
+        config = types.SimpleNamespace(family="moondream3")
+        engine = types.SimpleNamespace(max_context=2048, max_batch_size=4)
+
+        def _segment(self, image, obj, refs, settings, metrics):
+            seen.append((image[:8], obj, refs, settings))
+            h = Handle(types.SimpleNamespace(alive=True, failure=None, wake=lambda: None),
+                       Request("segment", [1]))
+            h._finish(result=dict(result))
+            return _Call([h], False, False, None,
+                         lambda h: {"path": h.result()["path"], "bbox": h.result()["bbox"]})
+
+    app = create_app(MD3(), ServeConfig())
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    try:
+        _until(lambda: server.started)
+        live = types.SimpleNamespace(url=f"http://127.0.0.1:{sock.getsockname()[1]}")
+        body = {"image_url": data_uri(SQ), "object": "w42", "spatial_refs": [[0.5, 0.5]]}
+        st, _, out = call(live, "/v1/segment", body, key=None)
+        assert st == 200 and out == {"path": result["path"], "bbox": result["bbox"]}
+        assert seen[0] == (b"\x89PNG\r\n\x1a\n", "w42", [[0.5, 0.5]], None)
+        st, _, text = call(live, "/v1/segment", {**body, "stream": True}, key=None)
+        assert sse(text) == [
+            {"type": "bbox", "bbox": result["bbox"], "completed": False},
+            {"type": "path_delta", "chunk": result["path"], "completed": False},
+            {"type": "final", "path": result["path"], "bbox": result["bbox"],
+             "completed": True}]
+        try:
+            import moondream
+        except ImportError:
+            return
+        vl = moondream.vl(endpoint=live.url + "/v1")
+        img = Image.open(SQ)
+        assert vl.segment(img, "w42") == {"path": result["path"], "bbox": result["bbox"]}
+        events = list(vl.segment(img, "w42", stream=True))
+        assert events[0] == {"bbox": result["bbox"]} and events[-1]["completed"]
+        assert events[-1]["path"] == result["path"]
+    finally:
+        server.should_exit = True
+        t.join(30)
+        sock.close()
