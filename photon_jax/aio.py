@@ -17,10 +17,13 @@ from typing import AsyncIterator
 from .request import Handle
 
 
-def _poker(loop: asyncio.AbstractEventLoop, fn):
+def _poker(loop: asyncio.AbstractEventLoop, fn, live=None):
     """A callback for the scheduler thread that runs `fn()` on `loop` (never blocks; a loop
-    that closed meanwhile has nobody left to tell)."""
+    that closed meanwhile has nobody left to tell).  `live`: a one-item list; once it holds
+    False the callback does nothing (handles cannot unregister callbacks)."""
     def poke(_handle) -> None:
+        if live is not None and not live[0]:
+            return
         try:
             loop.call_soon_threadsafe(fn)
         except RuntimeError:   # the loop is closed
@@ -74,9 +77,9 @@ async def reasoning(handle: Handle) -> dict | None:
     """-> a reasoning query's reasoning as soon as its phase ended (`Handle.reasoning`)."""
     if not handle.reasoning_ready():
         loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
-        poke = _poker(loop, ready.set)
-        handle.add_progress_callback(poke)
+        ready, live = asyncio.Event(), [True]
+        poke = _poker(loop, ready.set, live)   # off once the reasoning is in: the answer's
+        handle.add_progress_callback(poke)     # pieces then wake only the text stream
         handle.add_done_callback(poke)
         try:
             while not handle.reasoning_ready():
@@ -87,6 +90,8 @@ async def reasoning(handle: Handle) -> dict | None:
         except asyncio.CancelledError:
             handle.cancel()
             raise
+        finally:
+            live[0] = False
     return handle.reasoning(0)
 
 
@@ -95,8 +100,8 @@ async def text_stream(handle: Handle) -> AsyncIterator[str]:
     Closing the iterator early (`aclose()`, a cancelled consumer, garbage collection)
     cancels the request."""
     loop = asyncio.get_running_loop()
-    more = asyncio.Event()
-    poke = _poker(loop, more.set)
+    more, live = asyncio.Event(), [True]
+    poke = _poker(loop, more.set, live)
     handle.add_progress_callback(poke)
     handle.add_done_callback(poke)
     try:
@@ -112,5 +117,6 @@ async def text_stream(handle: Handle) -> AsyncIterator[str]:
             await more.wait()
         handle.result(0)   # raises the request's error, if any
     finally:
+        live[0] = False
         if not handle.done():
             handle.cancel()
