@@ -165,6 +165,13 @@ def test_routes_equal_the_api(live):
     assert all(not e["completed"] for e in events[:-1]) and events[-1]["completed"]
     assert "".join(e["chunk"] for e in events) == md.caption(png, settings=S)["caption"]
     assert events[-1]["usage"]["completion_tokens"] >= 1
+    # A streamed reasoning query: the reasoning first (the client skips it), then the answer.
+    st, _, text = call(live, "/v1/query", {"image_url": uri, "question": "Why?",
+                                           "reasoning": True, "stream": True, "settings": S})
+    events = sse(text)
+    want = md.query(png, "Why?", reasoning=True, settings=S)
+    assert events[0] == {"reasoning": want["reasoning"], "completed": False}
+    assert "".join(e.get("chunk", "") for e in events) == want["answer"]
 
 
 def test_concurrent_requests_share_the_engine(live):
@@ -204,6 +211,13 @@ def test_chat_completions(live):
                                    else "stop")
     assert out["usage"]["prompt_tokens"] == want["metrics"]["input_tokens"]
     assert out["usage"]["completion_tokens"] == want["metrics"]["output_tokens"]
+    # reasoning (the moondream client's chat passes it): the reasoning text and grounding.
+    st, _, out = call(live, "/v1/chat/completions", {**body, "reasoning": True})
+    want_r = md.query(uri_bytes(uri), "What is this?", reasoning=True, settings=S)
+    msg = out["choices"][0]["message"]
+    assert msg["content"] == want_r["answer"]
+    assert msg["reasoning"] == want_r["reasoning"]["text"]
+    assert msg["reasoning_details"] == {"grounding": want_r["reasoning"]["grounding"]}
     # max_tokens (the older name) and a plain-string, text-only message.
     st, _, out = call(live, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Hello?"}], "max_tokens": 10,
