@@ -436,7 +436,7 @@ class Server:
         rest: Content-Length first, then a count while streaming."""
         limit = self.config.max_body_bytes
         cl = request.headers.get("content-length")
-        too_big = ApiError(413, f"request body over the {limit >> 20} MiB limit "
+        too_big = ApiError(413, f"request body over the {limit / (1 << 20):g} MiB limit "
                            f"(--max-body-mb); send a smaller image (JPEG, downscaled)",
                            "request_too_large")
         if cl is not None:
