@@ -875,6 +875,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="longest sequence one request may reach (default: the model's)")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                     help="compute dtype (default: the checkpoint's; float32 on CPU)")
+    ap.add_argument("--device", type=int, default=None, metavar="INDEX",
+                    help="the accelerator to use (default: the first)")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="threads decoding and cropping images")
     ap.add_argument("--no-prefix-cache", action="store_true", help="do not reuse image prefixes")
@@ -899,7 +901,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    # Refused before the model loads (exit status 2, argparse's usage error).
+    if not 0 <= args.port < 65536:
+        ap.error(f"--port must be in 0..65535, got {args.port}")
+    for flag, v, lo in (("--batch-size", args.batch_size, 1), ("--max-queue", args.max_queue, 0),
+                        ("--workers", args.workers, 1)):
+        if v < lo:
+            ap.error(f"{flag} must be >= {lo}, got {v}")
+    if not args.max_body_mb > 0:
+        ap.error(f"--max-body-mb must be positive, got {args.max_body_mb}")
+    for flag, v in (("--request-timeout", args.request_timeout), ("--grace", args.grace)):
+        if not v >= 0:
+            ap.error(f"{flag} must be >= 0 seconds, got {v}")
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -920,6 +935,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_batch_size=args.batch_size, max_context=args.max_context,
                               kv_cache_tokens=args.kv_cache_tokens,
                               prefix_cache=not args.no_prefix_cache, workers=args.workers,
+                              device=args.device,
                               compile_cache=not args.no_compile_cache,
                               warmup=not args.no_warmup)
 
