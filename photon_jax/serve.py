@@ -56,6 +56,9 @@ log = logging.getLogger("photon_jax.serve")
 
 DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*),", re.S)
 LENGTHS = ("short", "normal", "long")
+# Bodies and data URIs above this are parsed / decoded on a worker thread: tens of ms of
+# JSON or base64 on the event loop would stall every other stream's next token.
+BIG = 1 << 20
 
 
 @dataclass
@@ -456,7 +459,7 @@ class Server:
                            "cancelled") from None
         raw = b"".join(chunks)
         try:
-            body = json.loads(raw)
+            body = json.loads(raw) if n < BIG else await asyncio.to_thread(json.loads, raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise _bad(f"the body is not valid JSON ({e}); send a JSON object with "
                        "Content-Type: application/json") from None
@@ -473,7 +476,9 @@ class Server:
                            "your behalf); send the image inline as data:image/jpeg;base64,... "
                            "or start the server with --allow-remote-images", param)
             return await asyncio.to_thread(fetch_image, url, self.config.max_body_bytes)
-        return decode_data_uri(url, param)
+        if len(url) < BIG:
+            return decode_data_uri(url, param)
+        return await asyncio.to_thread(decode_data_uri, url, param)
 
     @property
     def in_flight(self) -> int:
