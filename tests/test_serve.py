@@ -165,6 +165,15 @@ def test_routes_equal_the_api(live):
     assert all(not e["completed"] for e in events[:-1]) and events[-1]["completed"]
     assert "".join(e["chunk"] for e in events) == md.caption(png, settings=S)["caption"]
     assert events[-1]["usage"]["completion_tokens"] >= 1
+    # A body over 1 MiB (noise PNG): parsed and decoded off the event loop, same answer.
+    import numpy as np
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (600, 640, 3), np.uint8)).save(
+        buf, "PNG")
+    big = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    assert len(big) > 1 << 20
+    st, _, out = call(live, "/v1/caption", {"image_url": big, "length": "short", "settings": S})
+    assert st == 200 and out == md.caption(buf.getvalue(), "short", settings=S)
     # A streamed reasoning query: the reasoning first (the client skips it), then the answer.
     st, _, text = call(live, "/v1/query", {"image_url": uri, "question": "Why?",
                                            "reasoning": True, "stream": True, "settings": S})
