@@ -18,6 +18,7 @@ taking new requests (those not sent are reported as "not_sent", not lost).
 
   python bench/serve.py                                   # 64 clients, 128 requests, tiny
   python bench/serve.py --clients 4 --requests 8 --max-tokens 4 --images 2   # smoke
+  python bench/serve.py --model out/tiny            # a converted checkpoint instead
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def client(url, jobs: queue.Queue, out: list, deadline: float):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
+    ap.add_argument("--model", default=None, metavar="CKPT",
+                    help="serve this checkpoint instead of random weights of --config")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--images", type=int, default=8)
@@ -115,7 +118,7 @@ def main(argv=None) -> int:
     from photon_jax import Moondream
 
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = cap.write_checkpoint(args.config, os.path.join(tmp, "ckpt"))
+        ckpt = args.model or cap.write_checkpoint(args.config, os.path.join(tmp, "ckpt"))
         folder = os.path.join(tmp, "images")
         os.makedirs(folder)
         cap.write_images(folder, args.images)
@@ -173,7 +176,7 @@ def main(argv=None) -> int:
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     rps = len(ok) / dt
     print(json.dumps({
-        "bench": "serve", "config": args.config, "clients": args.clients, "requests": sent,
+        "bench": "serve", "config": args.model or args.config, "clients": args.clients, "requests": sent,
         "not_sent": not_sent, "batch": args.batch_size, "max_tokens": args.max_tokens,
         "seconds": round(dt, 3), "requests_per_s": round(rps, 2),
         "tokens_per_s": round(sum(r["tokens"] for r in ok) / dt, 1),

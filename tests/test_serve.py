@@ -558,15 +558,17 @@ def test_cli_serves_and_stops_gracefully_on_sigterm(tiny_ckpt, tmp_path):
     assert bad.returncode == 1 and "failed to load" in bad.stderr
 
 
-def test_bench_serve_smoke():
-    """bench/serve.py end to end at a tiny size (its numbers are never asserted)."""
+def test_bench_serve_smoke(tiny_ckpt):
+    """bench/serve.py end to end at a tiny size (its numbers are never asserted), on the
+    fixture checkpoint: the session's compile cache already holds most of its programs."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # One image size and batch 1: the fewest programs to compile.
     r = subprocess.run([sys.executable, os.path.join(root, "bench", "serve.py"), "--clients",
-                        "3", "--requests", "6", "--max-tokens", "3", "--images", "2",
-                        "--batch-size", "2", "--max-seconds", "60"],
+                        "3", "--requests", "6", "--max-tokens", "3", "--images", "1",
+                        "--batch-size", "1", "--max-seconds", "60", "--model", tiny_ckpt],
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     row = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")][0]
