@@ -9,6 +9,11 @@ the same length).  If some items of a list fail, the call raises `BatchError` af
 item finished; it carries the per-item results and errors.  Calls are safe from several
 threads: they only submit requests and wait for their own results.
 
+Each method has an asyncio twin (`acaption`, `aquery`, `adetect`, `apoint`, `asegment`,
+`aencode_image`): the same requests, awaited on the event loop through `aio` (no thread per
+request); a stream is an async iterator.  Cancelling the awaiting task cancels the request.
+The HTTP server (`serve`) is built on them.
+
 `return_metrics=True` (every method except streams) adds "metrics" to each result dict:
 {"finish_reason", "input_tokens", "output_tokens", "prefix_cache_hit",
 "time_to_first_token_s", "decode_tokens_per_s"} (`request.Handle.metrics`).  Without it the
