@@ -1,6 +1,8 @@
 """`photon-serve`: an HTTP server for one loaded model (`pip install ".[serve]"`).
 
-Owns: the Starlette app (`create_app`) and its command line (`main`).  Routes:
+Owns: the Starlette app (`create_app`: routes, admission, streaming, cancellation) and its
+command line (`main`); request parsing lives in `serve_inputs`, metrics in `serve_metrics`.
+Routes:
 
 - Moondream's cloud API, as the `moondream` client (`md.vl(endpoint=".../v1")`) calls it:
   POST /v1/caption, /v1/query, /v1/detect, /v1/point, /v1/segment (Moondream 3 only);
@@ -23,24 +25,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import binascii
 import contextlib
 import hmac
 import ipaddress
 import json
 import logging
 import os
-import re
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -51,10 +47,12 @@ from starlette.routing import Route
 from . import aio
 from .image import ImageError
 from .request import EngineError, RequestError
+from .serve_inputs import (ApiError, Fields, bad, check_settings, decode_data_uri,
+                           fetch_image, openai_finish, parse_chat)
+from .serve_metrics import Metrics
 
 log = logging.getLogger("photon_jax.serve")
 
-DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*),", re.S)
 LENGTHS = ("short", "normal", "long")
 # Bodies and data URIs above this are parsed / decoded on a worker thread: tens of ms of
 # JSON or base64 on the event loop would stall every other stream's next token.
@@ -70,294 +68,6 @@ class ServeConfig:
     request_timeout: float | None = 600.0   # seconds; the request is cancelled after
     allow_remote_images: bool = False   # fetch http(s) image_url (capped at max_body_bytes)
     model_name: str = "moondream"       # /v1/models and the responses' "model"
-
-
-class ApiError(Exception):
-    """A request refused with `status` and a JSON body naming the input and the fix."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind,
-                                       "param": self.param}},
-                            status_code=self.status, headers=self.headers)
-
-
-def _bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param)
-
-
-# -- request fields -------------------------------------------------------------------------
-
-class Fields:
-    """A JSON body's fields, taken one at a time with their types checked; `done()` refuses
-    whatever is left (a typo is an error, not a silently ignored field)."""
-
-    def __init__(self, body: dict, route: str):
-        self.body, self.route, self.left = body, route, set(body)
-
-    def take(self, name: str, types, default=None, required: bool = False, what: str = ""):
-        self.left.discard(name)
-        if name not in self.body or self.body[name] is None:
-            if required:
-                raise _bad(f"{self.route}: field {name!r} is required ({what})", name)
-            return default
-        v = self.body[name]
-        if not isinstance(v, types) or (isinstance(v, bool) and bool not in _tuple(types)):
-            raise _bad(f"{self.route}: field {name!r} must be {what}, got "
-                       f"{type(v).__name__} {_short(v)}", name)
-        return v
-
-    def done(self) -> None:
-        if self.left:
-            raise _bad(f"{self.route}: unknown field(s) {sorted(self.left)}; this route takes "
-                       f"{sorted(set(self.body) - self.left)} and the documented optional "
-                       "fields (docs/serving.md)", sorted(self.left)[0])
-
-
-def _tuple(types) -> tuple:
-    return types if isinstance(types, tuple) else (types,)
-
-
-def _short(v, n: int = 60) -> str:
-    r = repr(v)
-    return r if len(r) <= n else r[:n] + "..."
-
-
-def check_settings(settings, max_context: int, param: str = "settings") -> dict | None:
-    """A settings dict as the API takes it, plus the server's own bound: max_tokens no more
-    than the context (the API would cap it silently)."""
-    if settings is None:
-        return None
-    if not isinstance(settings, dict):
-        raise _bad(f"{param} must be an object such as {{\"max_tokens\": 256}}, got "
-                   f"{type(settings).__name__}", param)
-    mt = settings.get("max_tokens")
-    if isinstance(mt, (int, float)) and not isinstance(mt, bool) and mt > max_context:
-        raise _bad(f"{param}.max_tokens={mt} is more than the model's context of "
-                   f"{max_context} tokens (image and prompt included); ask for fewer", param)
-    return settings
-
-
-def decode_data_uri(url: str, param: str = "image_url") -> bytes:
-    """`data:image/...;base64,...` -> the file's bytes (decoded later, by the engine's image
-    workers: format, size and decompression-bomb checks are the API's own)."""
-    m = DATA_URI.match(url)
-    if not m:
-        raise _bad(f"{param} must be a data URI such as \"data:image/jpeg;base64,...\" (remote "
-                   "URLs are refused unless the server runs with --allow-remote-images)", param)
-    if m.group("mime") and not m.group("mime").startswith("image/"):
-        raise _bad(f"{param} is a data URI of {m.group('mime')!r}, not an image; send "
-                   "data:image/jpeg;base64,... (or png, webp...)", param)
-    if ";base64" not in m.group("params"):
-        raise _bad(f"{param} must be base64-encoded: data:image/...;base64,<data>", param)
-    data = url[m.end():]
-    try:
-        raw = base64.b64decode(re.sub(r"\s+", "", data), validate=True)
-    except (binascii.Error, ValueError):
-        raise _bad(f"{param}: the base64 data does not decode (invalid characters or "
-                   "padding); encode the image file with standard base64", param) from None
-    if not raw:
-        raise _bad(f"{param}: the data URI holds no bytes", param)
-    return raw
-
-
-def fetch_image(url: str, limit: int, timeout: float = 15.0) -> bytes:
-    """(A worker thread.)  An http(s) image, at most `limit` bytes, for --allow-remote-images."""
-    req = urllib.request.Request(url, headers={"User-Agent": "photon-serve"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:   # noqa: S310 - opt-in
-            n = r.headers.get("Content-Length")
-            if n is not None and n.isdigit() and int(n) > limit:
-                raise _bad(f"image_url: the remote image is {n} bytes, more than the "
-                           f"{limit}-byte limit (--max-body-mb)", "image_url")
-            raw = r.read(limit + 1)
-    except ApiError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any fetch failure is the client's URL
-        raise _bad(f"image_url: cannot fetch {_short(url)}: {e}", "image_url") from None
-    if len(raw) > limit:
-        raise _bad(f"image_url: the remote image is more than the {limit}-byte limit "
-                   "(--max-body-mb)", "image_url")
-    return raw
-
-
-# -- chat completions -----------------------------------------------------------------------
-
-# OpenAI fields that change what the model should do: refused with their name, not ignored.
-_CHAT_UNSUPPORTED = {
-    "tools": "tools / function calling", "tool_choice": "tools / function calling",
-    "functions": "function calling", "function_call": "function calling",
-    "logprobs": "logprobs", "top_logprobs": "logprobs", "stop": "stop sequences",
-    "logit_bias": "logit_bias", "audio": "audio output", "prediction": "predicted outputs",
-}
-
-
-def parse_chat(body: dict, max_context: int) -> dict:
-    """An OpenAI chat request -> {"question", "image" (bytes / URL / None), "settings",
-    "stream", "include_usage", "reasoning"} for `query`; anything a single question about
-    at most one image cannot express is a 400 that says so."""
-    for k, what in _CHAT_UNSUPPORTED.items():
-        if body.get(k) not in (None, False, [], {}):
-            raise _bad(f"chat/completions: {what} ({k!r}) is not supported: the model answers "
-                       "one question about at most one image", k)
-    for k in ("presence_penalty", "frequency_penalty"):
-        if body.get(k) not in (None, 0, 0.0):
-            raise _bad(f"chat/completions: {k!r} is not supported (leave it 0 or unset)", k)
-    if body.get("n") not in (None, 1):
-        raise _bad("chat/completions: n must be 1 (one answer per request)", "n")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise _bad("chat/completions: only response_format {\"type\": \"text\"} is supported",
-                   "response_format")
-    if body.get("modalities") not in (None, ["text"]):
-        raise _bad("chat/completions: only text output (modalities [\"text\"]) is supported",
-                   "modalities")
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise _bad("chat/completions: 'messages' must be a non-empty list of {role, content}",
-                   "messages")
-    if len(msgs) != 1:
-        raise _bad(f"chat/completions: {len(msgs)} messages given; only a single user turn is "
-                   "supported (no system prompt, no history): send one user message with the "
-                   "question and at most one image", "messages")
-    msg = msgs[0]
-    if not isinstance(msg, dict) or msg.get("role") != "user":
-        raise _bad("chat/completions: the one message must have role \"user\", got "
-                   f"{_short(msg.get('role') if isinstance(msg, dict) else msg)}", "messages")
-    content = msg.get("content")
-    texts, images = [], []
-    if isinstance(content, str):
-        texts.append(content)
-    elif isinstance(content, list):
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-            elif kind == "image_url":
-                iu = part.get("image_url")
-                url = iu.get("url") if isinstance(iu, dict) else iu
-                if not isinstance(url, str):
-                    raise _bad("chat/completions: an image_url part needs "
-                               "{\"image_url\": {\"url\": \"data:image/...;base64,...\"}}",
-                               "messages")
-                images.append(url)
-            else:
-                raise _bad(f"chat/completions: content part {_short(part)} is not supported; "
-                           "use {\"type\": \"text\"} and {\"type\": \"image_url\"} parts",
-                           "messages")
-    else:
-        raise _bad("chat/completions: message content must be a string or a list of parts",
-                   "messages")
-    if len(images) > 1:
-        raise _bad(f"chat/completions: {len(images)} images given; at most one image per "
-                   "request is supported", "messages")
-    question = "\n".join(t for t in texts if t.strip())
-    if not question.strip():
-        raise _bad("chat/completions: the user message has no text; ask a question", "messages")
-    settings = {}
-    mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    for src, key in ((mt, "max_tokens"), (body.get("temperature"), "temperature"),
-                     (body.get("top_p"), "top_p"), (body.get("seed"), "seed")):
-        if src is not None:
-            settings[key] = src
-    check_settings(settings, max_context, "max_completion_tokens")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _bad("chat/completions: 'stream' must be true or false", "stream")
-    so = body.get("stream_options") or {}
-    if not isinstance(so, dict):
-        raise _bad("chat/completions: 'stream_options' must be an object", "stream_options")
-    reasoning = body.get("reasoning", False)
-    if not isinstance(reasoning, bool):
-        raise _bad("chat/completions: 'reasoning' must be true or false", "reasoning")
-    return {"question": question, "image": images[0] if images else None,
-            "settings": settings or None, "stream": stream, "reasoning": reasoning,
-            "include_usage": bool(so.get("include_usage"))}
-
-
-def openai_finish(reason: str | None) -> str:
-    """The engine's finish reason in OpenAI's words."""
-    return "length" if reason == "length" else "stop"
-
-
-# -- metrics --------------------------------------------------------------------------------
-
-class _EngineCollector:
-    """Engine gauges read at scrape time (queue depth, running rows, KV pages, prefix-cache
-    counters), so they are never stale and cost nothing between scrapes."""
-
-    def __init__(self, server: "Server"):
-        self.server = server
-
-    def collect(self):
-        md = self.server.md
-        if md is None:
-            return
-        eng = md.engine
-        sched = eng.sched
-        yield GaugeMetricFamily("photon_requests_in_flight", "HTTP requests submitted and "
-                                "not finished", value=self.server.in_flight)
-        yield GaugeMetricFamily("photon_queue_depth", "Requests waiting for a row",
-                                value=len(sched.waiting) + eng._inbox.qsize())
-        yield GaugeMetricFamily("photon_running_rows", "Rows decoding now",
-                                value=len(sched.running))
-        yield GaugeMetricFamily("photon_max_batch_size", "Rows the engine decodes together",
-                                value=eng.max_batch_size)
-        a = sched.alloc
-        yield GaugeMetricFamily("photon_kv_pages_in_use", "KV pool pages in use (sequences "
-                                "and the prefix cache)", value=a.usable - a.n_free)
-        yield GaugeMetricFamily("photon_kv_pages", "KV pool pages (usable)", value=a.usable)
-        c = sched.cache
-        yield GaugeMetricFamily("photon_prefix_cache_entries", "Cached image prefixes",
-                                value=len(c.entries))
-        for name, v in (("hits", c.hits), ("misses", c.misses), ("evictions", c.evictions)):
-            yield CounterMetricFamily(f"photon_prefix_cache_{name}",
-                                      f"Image-prefix cache {name}", value=v)
-        yield CounterMetricFamily("photon_engine_tokens", "Tokens committed by the engine",
-                                  value=eng.counters.get("tokens", 0))
-
-
-class Metrics:
-    """The server's Prometheus metrics, in a registry of its own (several apps in one
-    process do not collide)."""
-
-    def __init__(self, server: "Server"):
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("photon_requests", "HTTP requests by route and status",
-                                ["route", "status"], registry=r)
-        self.prompt_tokens = Counter("photon_prompt_tokens", "Prompt tokens (image prefix "
-                                     "included) of finished requests", registry=r)
-        self.output_tokens = Counter("photon_output_tokens", "Generated tokens of finished "
-                                     "requests", registry=r)
-        self.ttft = Histogram("photon_time_to_first_token_seconds", "Submit to first token",
-                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60),
-                              registry=r)
-        self.tpot = Histogram("photon_time_per_output_token_seconds", "Decode time per token "
-                              "after the first", buckets=(.001, .0025, .005, .01, .02, .04,
-                                                          .08, .16, .32, 1),
-                              registry=r)
-        self.latency = Histogram("photon_request_duration_seconds", "Request time, end to end",
-                                 ["route"], registry=r,
-                                 buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-        r.register(_EngineCollector(server))
-
-    def finished(self, handle) -> None:
-        """Token counts and latencies of a finished request."""
-        try:
-            m = handle.metrics()
-        except RuntimeError:
-            return
-        self.prompt_tokens.inc(m["input_tokens"] or 0)
-        self.output_tokens.inc(m["output_tokens"] or 0)
-        if m["time_to_first_token_s"] is not None:
-            self.ttft.observe(m["time_to_first_token_s"])
-        if m["decode_tokens_per_s"]:
-            self.tpot.observe(1.0 / m["decode_tokens_per_s"])
 
 
 # -- the app --------------------------------------------------------------------------------
@@ -444,7 +154,7 @@ class Server:
                            "request_too_large")
         if cl is not None:
             if not cl.strip().isdigit():
-                raise _bad("Content-Length is not a number")
+                raise bad("Content-Length is not a number")
             if int(cl) > limit:
                 raise too_big
         chunks, n = [], 0
@@ -461,18 +171,18 @@ class Server:
         try:
             body = json.loads(raw) if n < BIG else await asyncio.to_thread(json.loads, raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _bad(f"the body is not valid JSON ({e}); send a JSON object with "
+            raise bad(f"the body is not valid JSON ({e}); send a JSON object with "
                        "Content-Type: application/json") from None
         if not isinstance(body, dict):
-            raise _bad(f"the body must be a JSON object, got {type(body).__name__}")
+            raise bad(f"the body must be a JSON object, got {type(body).__name__}")
         return body
 
     async def _image(self, url, param: str = "image_url"):
         if not isinstance(url, str):
-            raise _bad(f"{param} must be a string (a data:image/...;base64,... URI)", param)
+            raise bad(f"{param} must be a string (a data:image/...;base64,... URI)", param)
         if url.startswith(("http://", "https://")):
             if not self.config.allow_remote_images:
-                raise _bad(f"{param}: remote URLs are refused (the server would fetch them on "
+                raise bad(f"{param}: remote URLs are refused (the server would fetch them on "
                            "your behalf); send the image inline as data:image/jpeg;base64,... "
                            "or start the server with --allow-remote-images", param)
             return await asyncio.to_thread(fetch_image, url, self.config.max_body_bytes)
@@ -499,7 +209,7 @@ class Server:
         try:
             call = make()
         except (ValueError, TypeError, RequestError) as e:
-            raise _bad(str(e)) from None
+            raise bad(str(e)) from None
         except EngineError as e:
             raise ApiError(503, f"the engine stopped: {e}", "server_error") from None
         self.live.update(call.handles)
@@ -511,9 +221,9 @@ class Server:
     @staticmethod
     def _result_error(e: BaseException) -> ApiError:
         if isinstance(e, ImageError):
-            return _bad(f"image_url: {e}", "image_url")
+            return bad(f"image_url: {e}", "image_url")
         if isinstance(e, (RequestError, ValueError)):
-            return _bad(str(e))
+            return bad(str(e))
         if isinstance(e, EngineError):
             return ApiError(503, f"the engine stopped: {e}", "server_error")
         log.exception("request failed", exc_info=e)
@@ -654,7 +364,7 @@ class Server:
             if route == "caption":
                 length = f.take("length", str, "normal", what=f"one of {list(LENGTHS)}")
                 if length not in LENGTHS:
-                    raise _bad(f"caption: length must be one of {list(LENGTHS)}, got "
+                    raise bad(f"caption: length must be one of {list(LENGTHS)}, got "
                                f"{length!r}", "length")
                 f.done()
                 call = self._submit(lambda: md._caption(image, length, stream, settings,
@@ -665,7 +375,7 @@ class Server:
                     if route in ("point", "segment") else None
                 f.done()
                 if stream and route != "segment":
-                    raise _bad(f"{route} does not stream; send stream false", "stream")
+                    raise bad(f"{route} does not stream; send stream false", "stream")
                 if route == "segment":
                     call = self._submit(lambda: md._segment(image, obj, refs, settings,
                                                             False))
