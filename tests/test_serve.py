@@ -485,11 +485,19 @@ def test_disconnect_cancels_and_backpressure(live):
         try:
             st, _, out = call(live, "/v1/caption", {"image_url": data_uri(SQ),
                                                     "length": "long", "settings": SLOW})
+            st2, _, text = call(live, "/v1/caption", {"image_url": data_uri(SQ), "stream": True,
+                                                      "length": "long", "settings": SLOW})
         finally:
             state.config.request_timeout = 60
         assert st == 504 and out["error"]["type"] == "timeout"
         _until(lambda: seen[2].done())
         assert seen[2].result()["finish_reason"] == "cancelled"
+        # A stream past the timeout ends with an error event; its request is cancelled.
+        events = sse(text)
+        assert st2 == 200 and events[-1]["completed"]
+        assert events[-1]["error"]["type"] == "timeout"
+        _until(lambda: seen[3].done())
+        assert seen[3].result()["finish_reason"] == "cancelled"
     finally:
         undo()
     _until(lambda: not eng.sched.running)
