@@ -9,6 +9,11 @@ the same length).  If some items of a list fail, the call raises `BatchError` af
 item finished; it carries the per-item results and errors.  Calls are safe from several
 threads: they only submit requests and wait for their own results.
 
+Each method has an asyncio twin (`acaption`, `aquery`, `adetect`, `apoint`, `asegment`,
+`aencode_image`): the same requests, awaited on the event loop through `aio` (no thread per
+request); a stream is an async iterator.  Cancelling the awaiting task cancels the request.
+The HTTP server (`serve`) is built on them.
+
 `return_metrics=True` (every method except streams) adds "metrics" to each result dict:
 {"finish_reason", "input_tokens", "output_tokens", "prefix_cache_hit",
 "time_to_first_token_s", "decode_tokens_per_s"} (`request.Handle.metrics`).  Without it the
@@ -24,7 +29,7 @@ from typing import TYPE_CHECKING, Union
 import jax
 from tqdm.auto import tqdm
 
-from . import compile_cache as compile_cache_mod, memory, sources
+from . import aio, compile_cache as compile_cache_mod, memory, sources
 from .config import MoondreamConfig
 from .engine import Engine
 from .request import Handle, Request
@@ -174,15 +179,33 @@ class Moondream:
         out = [h.result() for h in handles]
         return out if isinstance(image, list) else out[0]
 
+    async def aencode_image(self, image: ImageLike | list[ImageLike]):
+        """`encode_image` for asyncio (see `acaption`)."""
+        images = image if isinstance(image, list) else [image]
+        out = await aio.results([self.engine.encode(x) for x in images])
+        return out if isinstance(image, list) else out[0]
+
     def caption(self, image: ImageLike | list[ImageLike], length: str = "normal", *,
                 stream: bool = False, settings: dict | None = None, progress: bool = False,
                 return_metrics: bool = False) -> dict | list[dict]:
         """Caption an image (or a list): {"caption": str} each, or with stream=True
         {"caption": iterator of text pieces}.  length: "short", "normal" or "long"."""
-        return self._run(image, _Shared([None]), stream, progress,
-                         self._caption_maker(length, settings),
-                         lambda r: {"caption": r["text"]}, key="caption",
-                         return_metrics=return_metrics)
+        return self._caption(image, length, stream, settings, return_metrics).wait(progress)
+
+    async def acaption(self, image: ImageLike | list[ImageLike], length: str = "normal", *,
+                       stream: bool = False, settings: dict | None = None,
+                       return_metrics: bool = False) -> dict | list[dict]:
+        """`caption` for asyncio: the same arguments (but `progress`) and results; a stream
+        is an async iterator.  Waiting costs no thread (`aio`): many concurrent calls share
+        the engine's batch.  Cancelling the awaiting task (or closing the stream) cancels
+        the request.  The `a*` twins of every method work the same way."""
+        return await self._caption(image, length, stream, settings,
+                                   return_metrics).wait_async()
+
+    def _caption(self, image, length, stream, settings, return_metrics) -> "_Call":
+        return self._submit(image, _Shared([None]), stream, self._caption_maker(length, settings),
+                            lambda r: {"caption": r["text"]}, key="caption",
+                            return_metrics=return_metrics)
 
     def start(self, image: ImageLike, *, question: str | None = None, length: str = "normal",
               settings: dict | None = None) -> Handle:
@@ -211,30 +234,58 @@ class Moondream:
         "reasoning": {"text", "grounding": [{"start_idx", "end_idx", "points"}]}.
         spatial_refs: points [x, y] and boxes [x_min, y_min, x_max, y_max] (normalised) the
         question refers to; they need an image."""
+        return self._query(image, question, reasoning, spatial_refs, stream, settings,
+                           return_metrics).wait(progress)
+
+    async def aquery(self, image: ImageLike | list[ImageLike] | None = None,
+                     question: str | list[str] | None = None, *, reasoning: bool = False,
+                     spatial_refs: list | None = None, stream: bool = False,
+                     settings: dict | None = None,
+                     return_metrics: bool = False) -> dict | list[dict]:
+        """`query` for asyncio (see `acaption`)."""
+        return await self._query(image, question, reasoning, spatial_refs, stream, settings,
+                                 return_metrics).wait_async()
+
+    def _query(self, image, question, reasoning, spatial_refs, stream, settings,
+               return_metrics) -> "_Call":
         questions = _check_strings(question, "question")
 
         def shape(r):
             return {"reasoning": r["reasoning"], "answer": r["text"]} if reasoning else \
                 {"answer": r["text"]}
 
-        return self._run(image, questions, stream, progress,
-                         self._query_maker(parse(settings), reasoning, spatial_refs), shape,
-                         key="answer", optional_image=True, return_metrics=return_metrics)
+        return self._submit(image, questions, stream,
+                            self._query_maker(parse(settings), reasoning, spatial_refs), shape,
+                            key="answer", optional_image=True, return_metrics=return_metrics)
 
     def detect(self, image: ImageLike | list[ImageLike], object: str | list[str], *,
                settings: dict | None = None, progress: bool = False,
                return_metrics: bool = False) -> dict | list[dict]:
         """Boxes of `object`: {"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}
         (normalised to the image, not clamped); always greedy, up to max_objects."""
-        return self._locate("detect", "objects", image, object, settings, progress,
-                            return_metrics)
+        return self._locate("detect", "objects", image, object, settings,
+                            return_metrics).wait(progress)
+
+    async def adetect(self, image: ImageLike | list[ImageLike], object: str | list[str], *,
+                      settings: dict | None = None,
+                      return_metrics: bool = False) -> dict | list[dict]:
+        """`detect` for asyncio (see `acaption`)."""
+        return await self._locate("detect", "objects", image, object, settings,
+                                  return_metrics).wait_async()
 
     def point(self, image: ImageLike | list[ImageLike], object: str | list[str], *,
               settings: dict | None = None, progress: bool = False,
               return_metrics: bool = False) -> dict | list[dict]:
         """Centre points of `object`: {"points": [{"x", "y"}, ...]} (normalised)."""
-        return self._locate("point", "points", image, object, settings, progress,
-                            return_metrics)
+        return self._locate("point", "points", image, object, settings,
+                            return_metrics).wait(progress)
+
+    async def apoint(self, image: ImageLike | list[ImageLike], object: str | list[str], *,
+                     settings: dict | None = None,
+                     return_metrics: bool = False) -> dict | list[dict]:
+        """`point` for asyncio (see `acaption`)."""
+        return await self._locate("point", "points", image, object, settings,
+                                  return_metrics).wait_async()
 
     def segment(self, image: ImageLike | list[ImageLike], object: str | list[str], *,
                 spatial_refs: list | None = None, settings: dict | None = None,
@@ -242,8 +293,25 @@ class Moondream:
         """Moondream 3 only: {"path": SVG path text, "bbox": {x_min, y_min, x_max, y_max} or
         None}.  The box comes from the first coordinate pair and size the model emits, the
         path from the text tokens after it (kestrel's separate refiner network is not run)."""
+        return self._segment(image, object, spatial_refs, settings,
+                             return_metrics).wait(progress)
+
+    async def asegment(self, image: ImageLike | list[ImageLike], object: str | list[str], *,
+                       spatial_refs: list | None = None, settings: dict | None = None,
+                       return_metrics: bool = False) -> dict | list[dict]:
+        """`segment` for asyncio (see `acaption`)."""
+        return await self._segment(image, object, spatial_refs, settings,
+                                   return_metrics).wait_async()
+
+    @property
+    def can_segment(self) -> bool:
+        """-> True when this model has `segment` (Moondream 3)."""
+        cfg = self._m.cfg
+        return cfg.family == "moondream3" and bool(cfg.tokenizer.segment_prefix)
+
+    def _segment(self, image, object, spatial_refs, settings, return_metrics) -> "_Call":
         m = self._m
-        if m.cfg.family != "moondream3" or not m.cfg.tokenizer.segment_prefix:
+        if not self.can_segment:
             raise ValueError(f"segment needs a Moondream 3 model; this checkpoint is "
                              f"{m.cfg.family}")
         s = parse(settings)
@@ -251,11 +319,12 @@ class Moondream:
         spatial, region = ((), None)
         if spatial_refs is not None:
             spatial, region = spatial_refs_prompt(spatial_refs, m.cfg.tokenizer)
-        return self._run(image, objs, False, progress,
-                         lambda img, o: Request("segment", m.prompts.segment(o, spatial=spatial),
-                                                img, s, region=region),
-                         lambda r: {"path": r["path"], "bbox": r["bbox"]},
-                         return_metrics=return_metrics)
+        return self._submit(image, objs, False,
+                            lambda img, o: Request("segment",
+                                                   m.prompts.segment(o, spatial=spatial),
+                                                   img, s, region=region),
+                            lambda r: {"path": r["path"], "bbox": r["bbox"]},
+                            return_metrics=return_metrics)
 
     # -- plumbing -----------------------------------------------------------------------
 
@@ -283,17 +352,19 @@ class Moondream:
 
         return request
 
-    def _locate(self, skill: str, key: str, image, obj, settings, progress, return_metrics):
+    def _locate(self, skill: str, key: str, image, obj, settings, return_metrics) -> "_Call":
         """detect / point: the same request shape, differing in prompt and result key."""
         s = parse(settings)
         objs = _check_strings(obj, "object")
         prompt = getattr(self._m.prompts, skill)
-        return self._run(image, objs, False, progress,
-                         lambda img, o: Request(skill, prompt(o), img, s),
-                         lambda r: {key: r["objects"]}, return_metrics=return_metrics)
+        return self._submit(image, objs, False,
+                            lambda img, o: Request(skill, prompt(o), img, s),
+                            lambda r: {key: r["objects"]}, return_metrics=return_metrics)
 
-    def _run(self, image, args, stream, progress, make, shape, key=None,
-             optional_image=False, return_metrics=False):
+    def _submit(self, image, args, stream, make, shape, key=None, optional_image=False,
+                return_metrics=False) -> "_Call":
+        """Check a call's arguments, submit its requests (never blocking) -> a `_Call`
+        that the sync method waits on with threads and the async twin with the event loop."""
         engine = self.engine
         if return_metrics:
             if stream:
@@ -312,13 +383,7 @@ class Moondream:
         if not batch:
             if image is None and not optional_image:
                 raise ValueError(NEED_IMAGE)
-            h = engine.submit(make(image, args[0]))
-            with _cancel_on_interrupt([h]):
-                if stream:
-                    reasoning = h.reasoning() if h.request.reasoning else None
-                    out = {key: h.text_stream()}
-                    return out if reasoning is None else {"reasoning": reasoning, **out}
-                return shape(h)
+            return _Call([engine.submit(make(image, args[0]))], False, stream, key, shape)
         if stream:
             raise ValueError("stream=True works on one image at a time; for a list, call "
                              "without stream (results come back in input order)")
@@ -331,17 +396,52 @@ class Moondream:
         if not optional_image and any(x is None for x in images):
             raise ValueError("image is required for every item of the list")
         handles = engine.submit_many([make(img, a) for img, a in zip(images, args)])
-        results, errors = [], []
+        return _Call(handles, True, False, key, shape)
+
+
+class _Call:
+    """One method call's submitted requests and how to shape their results: `wait` blocks
+    the calling thread, `wait_async` awaits on the event loop (`aio`)."""
+
+    def __init__(self, handles: list[Handle], batch: bool, stream: bool, key, shape):
+        self.handles, self.batch, self.stream, self.key, self.shape = \
+            handles, batch, stream, key, shape
+
+    def wait(self, progress: bool = False):
+        handles = self.handles
         with _cancel_on_interrupt(handles):
+            if not self.batch:
+                h = handles[0]
+                if self.stream:
+                    reasoning = h.reasoning() if h.request.reasoning else None
+                    out = {self.key: h.text_stream()}
+                    return out if reasoning is None else {"reasoning": reasoning, **out}
+                return self.shape(h)
             if progress:
                 _progress(handles)
-            for h in handles:
-                try:
-                    results.append(shape(h))
-                    errors.append(None)
-                except Exception as e:  # noqa: BLE001 - reported per item below
-                    results.append(None)
-                    errors.append(e)
+            return self._gather()
+
+    async def wait_async(self):
+        h = self.handles[0]
+        if not self.batch:
+            if self.stream:
+                reasoning = await aio.reasoning(h) if h.request.reasoning else None
+                out = {self.key: aio.text_stream(h)}
+                return out if reasoning is None else {"reasoning": reasoning, **out}
+            await aio.wait(h)
+            return self.shape(h)
+        await aio.wait_all(self.handles)
+        return self._gather()
+
+    def _gather(self) -> list:
+        results, errors = [], []
+        for h in self.handles:
+            try:
+                results.append(self.shape(h))
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001 - reported per item below
+                results.append(None)
+                errors.append(e)
         if any(e is not None for e in errors):
             raise BatchError(results, errors)
         return results

@@ -34,6 +34,7 @@ predicted at dispatch so they make no zombie; the launch path never syncs with t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import threading
 import time
@@ -42,8 +43,10 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
+import PIL.Image
 
 from . import constraints, frontend, hostsync, kvpool, memory, skills, step as step_mod
+from .image import pil_pixels
 from .frontend import EncodedImage, ImagePrefix, PreparedImage
 from .meta import pack_decode, pack_prefill
 from .model import Model
@@ -191,10 +194,19 @@ class Engine:
             raise EngineError("the engine is closed" if self.failure is None else
                               f"the engine stopped after an error: {self.failure}")
         handles, seqs = [], []
+        pixels = {}   # id(PIL image) -> its pixels: a list sharing one image copies it once
         for req in reqs:
             h = Handle(self, req)
             handles.append(h)
             try:
+                if isinstance(req.image, PIL.Image.Image):
+                    # On the caller's thread, before submit returns: the request owns a copy
+                    # of the pixels (`pil_pixels`), so threads sharing one lazily opened
+                    # image do not race in PIL's loader, and the caller may close or change
+                    # the image afterwards.
+                    if id(req.image) not in pixels:
+                        pixels[id(req.image)] = pil_pixels(req.image)
+                    h.request = dataclasses.replace(req, image=pixels[id(req.image)])
                 seqs.append(self._admit(h))
             except (RequestError, ValueError, TypeError) as e:
                 h._finish(error=e)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -27,6 +28,22 @@ MAX_PIXELS = 178_956_970
 
 class ImageError(ValueError):
     """An input that is not a usable image."""
+
+
+# PIL decodes an `Image.open` image lazily, on first pixel access, and that lazy load is not
+# thread-safe: two threads touching the same unloaded image race in the decoder (an
+# AssertionError in PngImagePlugin, "image file is truncated").  Striped by object id, so
+# one image's readers queue while different images load in parallel.
+_PIL_LOCKS = [threading.Lock() for _ in range(64)]
+
+
+def pil_pixels(image: Image.Image) -> np.ndarray:
+    """A PIL image's pixels as a private HxWx3 uint8 copy, exactly what `load_image` would
+    hand on (RGB conversion only), taken under a per-image lock.  Callers' threads call this
+    when they submit, so the request owns its pixels: the caller may close or change the
+    image afterwards, and threads sharing one lazily opened image do not race."""
+    with _PIL_LOCKS[id(image) % len(_PIL_LOCKS)]:
+        return np.array(_to_rgb(image, "the PIL image"), dtype=np.uint8)
 
 
 def load_image(image) -> Image.Image:
@@ -46,7 +63,9 @@ def load_image(image) -> Image.Image:
     if isinstance(image, (bytes, bytearray, memoryview)):
         return _decode(io.BytesIO(bytes(image)), f"the {len(image)}-byte image")
     if isinstance(image, Image.Image):
-        return _to_rgb(image, "the PIL image")
+        with _PIL_LOCKS[id(image) % len(_PIL_LOCKS)]:   # lazy load: see pil_pixels
+            rgb = _to_rgb(image, "the PIL image")
+            return rgb.copy() if rgb is image else rgb   # loaded, and ours from here on
     if isinstance(image, np.ndarray):
         a = image
         if a.dtype != np.uint8:

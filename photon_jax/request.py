@@ -68,6 +68,7 @@ class Handle:
         self.cancel_requested = False
         self._callbacks: list = []
         self._cb_lock = threading.Lock()
+        self._progress: list = []   # fn(handle) after each text piece / the reasoning (aio)
         # Filled by the scheduler for `metrics()`: submit / first-token / end times, prompt
         # positions, tokens committed, whether the image prefix came from the cache.
         self._t_submit = time.perf_counter()
@@ -129,6 +130,30 @@ class Handle:
                 return
         fn(self)
 
+    def add_progress_callback(self, fn) -> None:
+        """Call `fn(handle)` after each text piece is queued and when the reasoning is ready
+        (on the scheduler thread: quick, never blocking).  For callers that cannot block on
+        `text_stream` (the asyncio bridge, `aio`); pair it with `take_texts` and
+        `add_done_callback`."""
+        self._progress.append(fn)
+
+    def take_texts(self) -> tuple[list[str], bool]:
+        """Without waiting: the text pieces queued since the last call, and whether the
+        stream has ended (the request finished).  Not to be mixed with `text_stream`."""
+        pieces = []
+        while True:
+            try:
+                item = self._texts.get_nowait()
+            except queue.Empty:
+                return pieces, False
+            if item is _END:
+                return pieces, True
+            pieces.append(item)
+
+    def reasoning_ready(self) -> bool:
+        """-> True once `reasoning()` would return without waiting."""
+        return self._reasoned.is_set()
+
     def cancel(self) -> None:
         """Stop generating; the result (finish_reason "cancelled") arrives once the engine
         has released the request's row."""
@@ -157,10 +182,19 @@ class Handle:
     # scheduler side
     def _put_text(self, piece: str) -> None:
         self._texts.put(piece)
+        self._notify()
 
     def _set_reasoning(self, reasoning: dict) -> None:
         self._reasoning = reasoning
         self._reasoned.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        for fn in self._progress:
+            try:
+                fn(self)
+            except Exception:   # a caller's bug must not stop the scheduler
+                logging.getLogger(__name__).exception("progress callback failed")
 
     def _finish(self, result=None, error: BaseException | None = None) -> None:
         if self._done.is_set():

@@ -1,0 +1,234 @@
+"""`photon-serve`'s request parsing: what a JSON body may hold, and what it becomes.
+
+Owns: `ApiError` (a refused request: status, message, type; its JSON response), `Fields`
+(typed field access that refuses unknown fields), the server's settings bound (max_tokens
+within the context), image inputs (`decode_data_uri`; `fetch_image` for
+--allow-remote-images) and OpenAI chat requests mapped to one `query` (`parse_chat`).
+Everything here is pure: no model, no event loop.  Every message names the input and the
+fix.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import urllib.request
+
+from starlette.responses import JSONResponse
+
+DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*),", re.S)
+
+
+class ApiError(Exception):
+    """A request refused with `status` and a JSON body naming the input and the fix."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind,
+                                       "param": self.param}},
+                            status_code=self.status, headers=self.headers)
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    """A 400 for the client's input `param`."""
+    return ApiError(400, message, param=param)
+
+
+# -- request fields -------------------------------------------------------------------------
+
+class Fields:
+    """A JSON body's fields, taken one at a time with their types checked; `done()` refuses
+    whatever is left (a typo is an error, not a silently ignored field)."""
+
+    def __init__(self, body: dict, route: str):
+        self.body, self.route, self.left = body, route, set(body)
+
+    def take(self, name: str, types, default=None, required: bool = False, what: str = ""):
+        self.left.discard(name)
+        if name not in self.body or self.body[name] is None:
+            if required:
+                raise bad(f"{self.route}: field {name!r} is required ({what})", name)
+            return default
+        v = self.body[name]
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in _tuple(types)):
+            raise bad(f"{self.route}: field {name!r} must be {what}, got "
+                       f"{type(v).__name__} {_short(v)}", name)
+        return v
+
+    def done(self) -> None:
+        if self.left:
+            raise bad(f"{self.route}: unknown field(s) {sorted(self.left)}; this route takes "
+                       f"{sorted(set(self.body) - self.left)} and the documented optional "
+                       "fields (docs/serving.md)", sorted(self.left)[0])
+
+
+def _tuple(types) -> tuple:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _short(v, n: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "..."
+
+
+def check_settings(settings, max_context: int, param: str = "settings") -> dict | None:
+    """A settings dict as the API takes it, plus the server's own bound: max_tokens no more
+    than the context (the API would cap it silently)."""
+    if settings is None:
+        return None
+    if not isinstance(settings, dict):
+        raise bad(f"{param} must be an object such as {{\"max_tokens\": 256}}, got "
+                   f"{type(settings).__name__}", param)
+    mt = settings.get("max_tokens")
+    if isinstance(mt, (int, float)) and not isinstance(mt, bool) and mt > max_context:
+        raise bad(f"{param}.max_tokens={mt} is more than the model's context of "
+                   f"{max_context} tokens (image and prompt included); ask for fewer", param)
+    return settings
+
+
+def decode_data_uri(url: str, param: str = "image_url") -> bytes:
+    """`data:image/...;base64,...` -> the file's bytes (decoded later, by the engine's image
+    workers: format, size and decompression-bomb checks are the API's own)."""
+    m = DATA_URI.match(url)
+    if not m:
+        raise bad(f"{param} must be a data URI such as \"data:image/jpeg;base64,...\" (remote "
+                   "URLs are refused unless the server runs with --allow-remote-images)", param)
+    if m.group("mime") and not m.group("mime").startswith("image/"):
+        raise bad(f"{param} is a data URI of {m.group('mime')!r}, not an image; send "
+                   "data:image/jpeg;base64,... (or png, webp...)", param)
+    if ";base64" not in m.group("params"):
+        raise bad(f"{param} must be base64-encoded: data:image/...;base64,<data>", param)
+    data = url[m.end():]
+    try:
+        raw = base64.b64decode(re.sub(r"\s+", "", data), validate=True)
+    except (binascii.Error, ValueError):
+        raise bad(f"{param}: the base64 data does not decode (invalid characters or "
+                   "padding); encode the image file with standard base64", param) from None
+    if not raw:
+        raise bad(f"{param}: the data URI holds no bytes", param)
+    return raw
+
+
+def fetch_image(url: str, limit: int, timeout: float = 15.0) -> bytes:
+    """(A worker thread.)  An http(s) image, at most `limit` bytes, for --allow-remote-images."""
+    req = urllib.request.Request(url, headers={"User-Agent": "photon-serve"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:   # noqa: S310 - opt-in
+            n = r.headers.get("Content-Length")
+            if n is not None and n.isdigit() and int(n) > limit:
+                raise bad(f"image_url: the remote image is {n} bytes, more than the "
+                           f"{limit}-byte limit (--max-body-mb)", "image_url")
+            raw = r.read(limit + 1)
+    except ApiError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any fetch failure is the client's URL
+        raise bad(f"image_url: cannot fetch {_short(url)}: {e}", "image_url") from None
+    if len(raw) > limit:
+        raise bad(f"image_url: the remote image is more than the {limit}-byte limit "
+                   "(--max-body-mb)", "image_url")
+    return raw
+
+
+# -- chat completions -----------------------------------------------------------------------
+
+# OpenAI fields that change what the model should do: refused with their name, not ignored.
+_CHAT_UNSUPPORTED = {
+    "tools": "tools / function calling", "tool_choice": "tools / function calling",
+    "functions": "function calling", "function_call": "function calling",
+    "logprobs": "logprobs", "top_logprobs": "logprobs", "stop": "stop sequences",
+    "logit_bias": "logit_bias", "audio": "audio output", "prediction": "predicted outputs",
+}
+
+
+def parse_chat(body: dict, max_context: int) -> dict:
+    """An OpenAI chat request -> {"question", "image" (bytes / URL / None), "settings",
+    "stream", "include_usage", "reasoning"} for `query`; anything a single question about
+    at most one image cannot express is a 400 that says so."""
+    for k, what in _CHAT_UNSUPPORTED.items():
+        if body.get(k) not in (None, False, [], {}):
+            raise bad(f"chat/completions: {what} ({k!r}) is not supported: the model answers "
+                       "one question about at most one image", k)
+    for k in ("presence_penalty", "frequency_penalty"):
+        if body.get(k) not in (None, 0, 0.0):
+            raise bad(f"chat/completions: {k!r} is not supported (leave it 0 or unset)", k)
+    if body.get("n") not in (None, 1):
+        raise bad("chat/completions: n must be 1 (one answer per request)", "n")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise bad("chat/completions: only response_format {\"type\": \"text\"} is supported",
+                   "response_format")
+    if body.get("modalities") not in (None, ["text"]):
+        raise bad("chat/completions: only text output (modalities [\"text\"]) is supported",
+                   "modalities")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("chat/completions: 'messages' must be a non-empty list of {role, content}",
+                   "messages")
+    if len(msgs) != 1:
+        raise bad(f"chat/completions: {len(msgs)} messages given; only a single user turn is "
+                   "supported (no system prompt, no history): send one user message with the "
+                   "question and at most one image", "messages")
+    msg = msgs[0]
+    if not isinstance(msg, dict) or msg.get("role") != "user":
+        raise bad("chat/completions: the one message must have role \"user\", got "
+                   f"{_short(msg.get('role') if isinstance(msg, dict) else msg)}", "messages")
+    content = msg.get("content")
+    texts, images = [], []
+    if isinstance(content, str):
+        texts.append(content)
+    elif isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind == "image_url":
+                iu = part.get("image_url")
+                url = iu.get("url") if isinstance(iu, dict) else iu
+                if not isinstance(url, str):
+                    raise bad("chat/completions: an image_url part needs "
+                               "{\"image_url\": {\"url\": \"data:image/...;base64,...\"}}",
+                               "messages")
+                images.append(url)
+            else:
+                raise bad(f"chat/completions: content part {_short(part)} is not supported; "
+                           "use {\"type\": \"text\"} and {\"type\": \"image_url\"} parts",
+                           "messages")
+    else:
+        raise bad("chat/completions: message content must be a string or a list of parts",
+                   "messages")
+    if len(images) > 1:
+        raise bad(f"chat/completions: {len(images)} images given; at most one image per "
+                   "request is supported", "messages")
+    question = "\n".join(t for t in texts if t.strip())
+    if not question.strip():
+        raise bad("chat/completions: the user message has no text; ask a question", "messages")
+    settings = {}
+    mt = body.get("max_completion_tokens", body.get("max_tokens"))
+    for src, key in ((mt, "max_tokens"), (body.get("temperature"), "temperature"),
+                     (body.get("top_p"), "top_p"), (body.get("seed"), "seed")):
+        if src is not None:
+            settings[key] = src
+    check_settings(settings, max_context, "max_completion_tokens")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("chat/completions: 'stream' must be true or false", "stream")
+    so = body.get("stream_options") or {}
+    if not isinstance(so, dict):
+        raise bad("chat/completions: 'stream_options' must be an object", "stream_options")
+    reasoning = body.get("reasoning", False)
+    if not isinstance(reasoning, bool):
+        raise bad("chat/completions: 'reasoning' must be true or false", "reasoning")
+    return {"question": question, "image": images[0] if images else None,
+            "settings": settings or None, "stream": stream, "reasoning": reasoning,
+            "include_usage": bool(so.get("include_usage"))}
+
+
+def openai_finish(reason: str | None) -> str:
+    """The engine's finish reason in OpenAI's words."""
+    return "length" if reason == "length" else "stop"
