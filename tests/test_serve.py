@@ -14,18 +14,15 @@ import time
 import urllib.error
 import urllib.request
 
+import moondream   # the published client: README's setup installs it (pip --no-deps)
 import pytest
+import uvicorn
 from PIL import Image
 
-pytest.importorskip("starlette")
-pytest.importorskip("uvicorn")
-pytest.importorskip("prometheus_client")
-import uvicorn  # noqa: E402
+from photon_jax import Moondream
+from photon_jax.serve import ServeConfig, create_app
 
-from photon_jax import Moondream  # noqa: E402
-from photon_jax.serve import ServeConfig, create_app  # noqa: E402
-
-from conftest import FIXTURE_DIR  # noqa: E402
+from conftest import FIXTURE_DIR
 
 LAND = os.path.join(FIXTURE_DIR, "img_land800x600.png")
 SQ = os.path.join(FIXTURE_DIR, "img_sq378.png")
@@ -109,8 +106,6 @@ def sse(text: str) -> list:
 
 @pytest.fixture(scope="module")
 def client(live):
-    moondream = pytest.importorskip(
-        "moondream", reason="the moondream client: pip install --no-deps moondream==2.6.1")
     return moondream.vl(api_key=KEY, endpoint=live.url + "/v1")
 
 
