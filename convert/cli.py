@@ -6,7 +6,7 @@ import argparse
 import sys
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="photon-convert",
         description="Convert a Hugging Face Moondream 2 or 3 snapshot (model.safetensors or a sharded "
@@ -22,7 +22,11 @@ def main(argv=None) -> int:
                     "2025-06-21 revision it comes from the moondream/starmie-v1 repo")
     ap.add_argument("--overwrite", action="store_true",
                     help="replace a non-empty OUT_DIR")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     from .convert import ConvertError, convert
 
     try:

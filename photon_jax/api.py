@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Union
 import jax
 from tqdm.auto import tqdm
 
-from . import aio, compile_cache as compile_cache_mod, memory, sources
+from . import aio, compile_cache as compile_cache_mod, memory, sources, step
 from .config import MoondreamConfig
 from .engine import Engine
 from .request import Handle, Request
@@ -76,7 +76,8 @@ class Moondream:
              max_batch_size: int = 32,
              max_context: int | None = None, kv_cache_tokens: int | None = None,
              prefix_cache: bool = True, device=None, workers: int = 2,
-             compile_cache: bool = True, warmup: bool = False) -> "Moondream":
+             compile_cache: bool = True, warmup: bool = False,
+             attention: str | None = None) -> "Moondream":
         """Load a model and start its engine.  `path`: a directory written by
         `photon-convert`, a Hugging Face snapshot directory (config.json + model.safetensors
         or a sharded index), or a hub id such as "vikhyatk/moondream2" (`revision`: a branch,
@@ -104,6 +105,9 @@ class Moondream:
             common prefill shapes and the vision encoder for common photo layouts, so the
             first requests do not wait for the compiler (with a warm compile cache this
             mostly reads the cache).
+        attention: the decode attention (`step.ATTENTION`): None picks the device's
+            ("pallas" on GPU, "cpu-kernel" on CPU when the C++ kernel builds), "xla" the
+            XLA formulation on any device.
         Nothing is downloaded but a hub id's files missing from the Hugging Face cache (and
         the starmie tokenizer, when the snapshot lacks it), unless HF_HUB_OFFLINE is set.
         """
@@ -120,11 +124,14 @@ class Moondream:
                                      max_batch_size=max_batch_size,
                                      max_context=max_context or cfg.text.max_context,
                                      page_size=64, kv_cache_tokens=kv_cache_tokens,
-                                     free=memory.device_free(dev)),
+                                     free=memory.device_free(dev),
+                                     sweep=step.sweeps(attention or
+                                                       step.default_attention(dev.platform))),
                          cfg, max_context=max_context or cfg.text.max_context,
                          weights_loaded=False)
 
-        model = Model.load(os.fspath(path), dtype=dtype, device=device, preflight=preflight)
+        model = Model.load(os.fspath(path), dtype=dtype, device=device, attention=attention,
+                           preflight=preflight)
         engine = Engine(model, max_batch_size=max_batch_size, max_context=max_context,
                         kv_cache_tokens=kv_cache_tokens, prefix_cache=prefix_cache,
                         pipelined=pipelined, workers=workers, warmup=warmup)
@@ -144,7 +151,8 @@ class Moondream:
     @property
     def engine(self) -> Engine:
         """The engine serving this model (`memory()`, `stats()`, `step_log()`)."""
-        self._m
+        if self._model is None:
+            raise RuntimeError("this Moondream instance is closed")
         return self._engine
 
     @property

@@ -31,11 +31,10 @@ def resolve_device(device):
     raise TypeError(f"device must be a jax.Device, an index or None, got {device!r}")
 
 
-def cpu_dtype(stored: str) -> str:
-    """The compute dtype of a checkpoint on CPU when none is asked for: float32.  XLA:CPU has
-    no bfloat16 matmul on most x86 CPUs and converts operands in every step, so a bfloat16
-    model decodes slower than the same model in float32 (`bench/caption.py`)."""
-    return "float32"
+# The compute dtype of any checkpoint on CPU when none is asked for.  XLA:CPU has no bfloat16
+# matmul on most x86 CPUs and converts operands in every step, so a bfloat16 model decodes
+# slower than the same model in float32 (`bench/caption.py`).
+CPU_DTYPE = "float32"
 
 
 class Model:
@@ -49,19 +48,20 @@ class Model:
         self.prompts = Prompts(tokenizer, cfg.tokenizer)
 
     @classmethod
-    def load(cls, path: str, *, dtype=None, device=None,
+    def load(cls, path: str, *, dtype=None, device=None, attention: str | None = None,
              preflight: Callable[[MoondreamConfig, jax.Device], None] | None = None
              ) -> "Model":
-        """dtype None: the checkpoint's dtype on an accelerator; float32 on CPU (`cpu_dtype`).
+        """dtype None: the checkpoint's dtype on an accelerator; float32 on CPU (`CPU_DTYPE`).
+        `attention`: the decode attention (`step.ATTENTION`; None: the device's default).
         `preflight(cfg, device)` runs before any weight is read (the memory check)."""
         path = os.fspath(path)
         cfg = checkpoint.read_config(path)
         dev = resolve_device(device)
         cfg = cfg.with_dtype(canonical(dtype) if dtype is not None else
-                             cpu_dtype(cfg.dtype) if dev.platform == "cpu" else cfg.dtype)
+                             CPU_DTYPE if dev.platform == "cpu" else cfg.dtype)
         if preflight is not None:
             preflight(cfg, dev)
         params = text.unstack_layers(checkpoint.restore_params(path, cfg, device=dev),
                                      free=True)
         tok = load_tokenizer(os.path.join(path, "tokenizer.json"))
-        return cls(cfg, params, tok, device=dev)
+        return cls(cfg, params, tok, device=dev, attention=attention)

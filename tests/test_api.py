@@ -340,3 +340,14 @@ def test_interrupted_call_cancels_its_requests(md, ref, monkeypatch):
     # The rows were released: the next call runs normally.
     assert md.caption(LAND, "normal", settings=GREEDY) == {
         "caption": ref["caption_normal"]["text"]}
+
+
+def test_attention_can_be_chosen_at_load(tiny_ckpt, md):
+    """`Moondream.load(..., attention="xla")`, as the README offers it: the XLA formulation
+    gives the same results, and the load-time memory plan is the engine's (arenas)."""
+    with Moondream.load(tiny_ckpt, attention="xla", max_batch_size=2) as xla:
+        assert xla.engine.model.attention == "xla" and xla.engine.sweep
+        assert xla.caption(LAND, "short", settings=GREEDY) == md.caption(LAND, "short",
+                                                                         settings=GREEDY)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        Moondream.load(tiny_ckpt, attention="flash")

@@ -1,5 +1,8 @@
-"""The README's Python snippets run as written against the converted fixture model."""
+"""The README's Python snippets run as written against the converted fixture model, and every
+keyword argument and command-line flag it shows exists."""
 
+import glob
+import inspect
 import os
 import re
 
@@ -29,3 +32,38 @@ def test_readme_functional_block_runs(tiny_ckpt, tmp_path, monkeypatch, capsys, 
     out = run_block("## JAX functions", tiny_ckpt, tmp_path, monkeypatch, capsys)
     want = cases["fp32"]["land800x600"]["cases"]["caption_short"]["text"]
     assert want in out
+
+
+def readme() -> str:
+    return open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+
+
+def test_every_moondream_load_keyword_in_the_readme_exists():
+    from photon_jax import Moondream
+
+    text = readme()
+    shown = set()
+    for m in re.finditer(r"Moondream\.load\(", text):
+        depth, i = 1, m.end()
+        while depth and i < len(text):
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        shown |= set(re.findall(r"(\w+)=", text[m.end():i]))
+    assert {"revision", "dtype", "warmup", "attention"} <= shown   # the scan finds them
+    params = set(inspect.signature(Moondream.load).parameters)
+    assert shown <= params, f"README shows Moondream.load keywords that do not exist: " \
+                            f"{sorted(shown - params)}"
+
+
+def test_every_command_line_flag_in_the_readme_exists():
+    from photon_jax import caption, serve
+    from photon_jax.convert import cli
+
+    ours = set()
+    for parser in (caption.build_parser(), serve.build_parser(), cli.build_parser()):
+        ours |= {o for a in parser._actions for o in a.option_strings}
+    bench = "".join(open(f).read() for f in glob.glob(os.path.join(ROOT, "bench", "*.py")))
+    other = {"--no-deps", "--local-dir", "--help"}   # pip's and hf's
+    flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", readme()))
+    missing = {f for f in flags - ours - other if f'"{f}"' not in bench}
+    assert not missing, f"README shows flags no command has: {sorted(missing)}"
