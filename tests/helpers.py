@@ -3,6 +3,7 @@ a model with biased logits, and one call of every public surface.  Imports nothi
 at module level (conftest imports this before it sets JAX's environment)."""
 
 import os
+import threading
 
 FIXTURE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures",
                            "moondream2-tiny")
@@ -80,3 +81,27 @@ def run_surfaces(models, pipelined: bool, kv_cache_tokens: int | None = None) ->
         for md in mds:
             if md is not None:
                 md.engine.close()
+
+
+def in_threads(fn, n: int, timeout: float = 240) -> list:
+    """`fn()` on `n` threads released together (a barrier) -> their results; raises the
+    first error any of them met."""
+    barrier = threading.Barrier(n)
+    results, errors = [], []
+
+    def work():
+        try:
+            barrier.wait(timeout=30)
+            results.append(fn())
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+    assert len(results) == n, f"{n - len(results)} threads did not finish in {timeout} s"
+    return results

@@ -5,7 +5,6 @@ sharing one lazily opened image)."""
 
 import asyncio
 import os
-import threading
 
 import pytest
 from PIL import Image
@@ -13,6 +12,7 @@ from PIL import Image
 from photon_jax import Moondream
 
 from conftest import FIXTURE_DIR
+from helpers import in_threads
 
 LAND = os.path.join(FIXTURE_DIR, "img_land800x600.png")
 SQ = os.path.join(FIXTURE_DIR, "img_sq378.png")
@@ -125,23 +125,7 @@ def test_threads_sharing_one_lazily_opened_pil_image(md):
     for _ in range(3):
         img = Image.open(LAND)
         assert img.tile   # not decoded yet (lazy)
-        results, errors = [], []
-        barrier = threading.Barrier(8)
-
-        def work():
-            try:
-                barrier.wait(timeout=30)
-                results.append(md.caption(img, "short", settings=GREEDY))
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=work) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=240)
-        assert not errors, errors
-        assert results == [want] * 8
+        assert in_threads(lambda: md.caption(img, "short", settings=GREEDY), 8) == [want] * 8
 
 
 def test_pil_image_may_be_closed_or_changed_after_submit(md):

@@ -23,6 +23,7 @@ from photon_jax import Moondream
 from photon_jax.serve import ServeConfig, create_app
 
 from conftest import FIXTURE_DIR
+from helpers import in_threads
 
 LAND = os.path.join(FIXTURE_DIR, "img_land800x600.png")
 SQ = os.path.join(FIXTURE_DIR, "img_sq378.png")
@@ -181,21 +182,9 @@ def test_routes_equal_the_api(live):
 def test_concurrent_requests_share_the_engine(live):
     md, uri = live.md, data_uri(SQ)
     want = md.caption(uri_bytes(uri), "short", settings=S)
-    outs, errors = [], []
-
-    def work():
-        try:
-            outs.append(call(live, "/v1/caption", {"image_url": uri, "length": "short",
-                                                   "settings": S})[2])
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=work) for _ in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors and outs == [want] * 12
+    outs = in_threads(lambda: call(live, "/v1/caption", {"image_url": uri, "length": "short",
+                                                         "settings": S})[2], 12, timeout=120)
+    assert outs == [want] * 12
 
 
 def test_chat_completions(live):
