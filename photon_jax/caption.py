@@ -604,7 +604,7 @@ def main(argv=None) -> int:
             signal.signal(signal.SIGTERM, old)
 
 
-def _raise_interrupt(signum, frame):
+def _raise_interrupt(_signum, _frame):
     raise KeyboardInterrupt
 
 
@@ -619,7 +619,7 @@ class _StopOnSignal:
     def __init__(self, wake: queue.SimpleQueue):
         self.wake, self.requested, self.old = wake, False, {}
 
-    def _handle(self, signum, frame):
+    def _handle(self, _signum, _frame):
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True

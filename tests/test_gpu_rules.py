@@ -69,7 +69,8 @@ def test_the_emulation_is_the_gpu_rule():
     assert float(dev[0]) == 0.0
 
 
-def test_without_the_emulation_a_cpu_allows_it(plain_cpu):
+@pytest.mark.usefixtures("plain_cpu")
+def test_without_the_emulation_a_cpu_allows_it():
     """Why the emulation exists: the CPU backend permits what a GPU refuses."""
     x = jnp.arange(4) + 1
     with jax.transfer_guard("disallow"):
