@@ -136,6 +136,26 @@ def test_the_gpu_kernel_with_scales_lowers_for_cuda(fmt, qdt):
     assert f"tensor<{kh}x{p}x{t}x{h}x{'i8' if fmt == 'int8' else 'f8E4M3FN'}>" in text
 
 
+def test_cpu_kernel_decodes_every_e4m3_code_exactly():
+    """A one-position row's attention is its V vector: with the 254 non-NaN e4m3 codes
+    (subnormals, zeros and both signs included) in one vector at scale 1, the kernel's
+    arithmetic widening gives exactly ml_dtypes' values."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the C++ kernel runs on CPU")
+    assert cpukernel.load(), cpukernel.reason()
+    codes = np.arange(256, dtype=np.uint8)
+    codes[[0x7F, 0xFF]] = 0                                  # the two NaN codes
+    v = np.zeros((1, 2, 4, 256), np.uint8)
+    v[0, 1, 0] = codes
+    v8 = jnp.asarray(v).view(jnp.float8_e4m3fn)
+    ones = jnp.ones((1, 2, 4), jnp.float32)
+    out = jax.jit(cpukernel.attend)(jnp.zeros_like(v8), v8, jnp.ones((1, 1, 256)),
+                                    jnp.array([[1]], jnp.int32), jnp.array([1], jnp.int32),
+                                    ones, ones)
+    want = np.asarray(jnp.asarray(codes).view(jnp.float8_e4m3fn).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(out)[0, 0], want)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cpu_kernel_shared_pages_and_empty_rows(fmt):
     """Our C++ kernel, GQA, page 16: rows of 0 / 17 / 64 positions and a row reading
