@@ -290,7 +290,7 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     params = jax.eval_shape(unstack_layers, abstract_params(cfg))   # as a loaded model
     dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes[:n_arenas],
                                         page_size=page_size, max_batch_size=batch,
-                                        kv_dtype=kv_dtype)
+                                        kv_dtype=kv_dtype, platform=platform_)
     prog = step_mod.build(cfg, attention).forward
     args = (params, dev.pool, dev.slots[0], dev.pending,
             jax.ShapeDtypeStruct(metas[0].shape, jnp.int32),

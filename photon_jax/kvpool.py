@@ -42,7 +42,9 @@ page of the prefix cache is quantized once, when written, and shared or copied a
 with its scales).  The cost: 4 bytes per (head, position) next to H code bytes (6% at
 H = 64).  Every write quantizes (`quantize`); every attention dequantizes where it reads:
 the sweep and the kernels fold the scales into the scores (K) and the probabilities (V),
-prefill multiplies the gathered codes by their scales.
+prefill multiplies the gathered codes by their scales.  e4m3 codes are stored as their
+bytes (uint8) on CPU, typed float8 elsewhere (`storage_dtype`: XLA:CPU emulates float8 by
+converting whole operands).
 
 Shapes use the axis letters of docs/architecture.md (in the repository); P pages, T positions in a page, M pages
 in a row's page table.
@@ -86,6 +88,42 @@ def canonical_kv_dtype(kv_dtype, model_dtype=None):
                      f"'float8_e4m3fn', got {kv_dtype!r}")
 
 
+# How an 8-bit pool stores its codes.  e4m3 codes live as their bytes (uint8) on CPU: XLA:CPU
+# emulates float8 by converting every float8 operand to float16 first, so an in-place write
+# of one position or a gather of a few pages converted the whole arena (measured: a batch-32
+# decode step of the small config went from 40 ms to minutes).  On GPU the pool is typed
+# float8_e4m3fn, which the Pallas kernel reads as such.  int8 is int8 everywhere.
+_BYTES = jnp.dtype(jnp.uint8)
+
+
+def storage_dtype(fmt: str, platform: str | None = None):
+    """The pool's array dtype for 8-bit format `fmt` on `platform` (None: JAX's default)."""
+    platform = platform or jax.default_backend()
+    if fmt == "float8_e4m3fn" and platform == "cpu":
+        return _BYTES
+    return jnp.dtype(fmt)
+
+
+def format_of(dtype) -> str:
+    """The 8-bit format of a pool array's dtype (uint8: e4m3 bytes)."""
+    dtype = jnp.dtype(dtype)
+    return "int8" if dtype == jnp.int8 else "float8_e4m3fn"
+
+
+def as_format(codes):
+    """Codes as their format's dtype (e4m3 bytes reinterpreted; anything else as is)."""
+    if codes.dtype == _BYTES:
+        return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    return codes
+
+
+def as_storage(codes, dtype):
+    """Codes as a pool of `dtype` stores them (e4m3 -> its bytes for a uint8 pool)."""
+    if jnp.dtype(dtype) == _BYTES and codes.dtype != _BYTES:
+        return jax.lax.bitcast_convert_type(codes.astype(jnp.float8_e4m3fn), _BYTES)
+    return codes.astype(dtype)
+
+
 def quantize(x, fmt: str):
     """(codes, scale): x [..., H] as 8-bit codes of `fmt` and float32 scales [...] with
     codes * scale ~ x; scale = absmax(x) / the format's max (1 for an all-zero vector)."""
@@ -100,8 +138,8 @@ def quantize(x, fmt: str):
 
 
 def dequantize(codes, scale):
-    """float32 codes * scale (scale [...] for codes [..., H])."""
-    return codes.astype(F32) * scale[..., None]
+    """float32 codes * scale (scale [...] for codes [..., H]; codes in any storage)."""
+    return as_format(codes).astype(F32) * scale[..., None]
 
 
 @flax.struct.dataclass
@@ -154,18 +192,21 @@ def arena_shape(cfg: TextConfig, pages: int, page_size: int):
     return (cfg.n_kv_heads, pages, page_size, cfg.head_dim)
 
 
-def _pool_dtype(dtype):
-    return jnp.dtype(dtype) if dtype in QUANTIZED else jnp_dtype(dtype)
+def _pool_dtype(dtype, platform=None):
+    return storage_dtype(dtype, platform) if dtype in QUANTIZED else jnp_dtype(dtype)
 
 
-def abstract_pool(cfg: TextConfig, arena_sizes: tuple, page_size: int, dtype) -> KVPool:
+def abstract_pool(cfg: TextConfig, arena_sizes: tuple, page_size: int, dtype,
+                  platform: str | None = None) -> KVPool:
     """`dtype`: the model's dtype (unquantized) or an 8-bit format of `QUANTIZED`."""
-    return jax.eval_shape(lambda: init_pool(cfg, arena_sizes, page_size, dtype))
+    return jax.eval_shape(lambda: init_pool(cfg, arena_sizes, page_size, dtype, platform))
 
 
-def init_pool(cfg: TextConfig, arena_sizes: tuple, page_size: int, dtype) -> KVPool:
-    """Zeroed pool; `dtype` an 8-bit format of `QUANTIZED` adds the scale arrays (ones)."""
-    dt = _pool_dtype(dtype)
+def init_pool(cfg: TextConfig, arena_sizes: tuple, page_size: int, dtype,
+              platform: str | None = None) -> KVPool:
+    """Zeroed pool; `dtype` an 8-bit format of `QUANTIZED` adds the scale arrays (ones),
+    its codes stored as `storage_dtype` gives for `platform` (None: JAX's default)."""
+    dt = _pool_dtype(dtype, platform)
 
     def layer():
         return tuple(jnp.zeros(arena_shape(cfg, n, page_size), dt) for n in arena_sizes)
@@ -215,7 +256,7 @@ def write_tokens(arenas: tuple, page_X, off_X, x_XKH) -> tuple:
     [K, Pa, T] and x [X..., K].)"""
     head_axis = -2 if arenas[0].ndim == 4 else -1
     upd = jnp.moveaxis(x_XKH, head_axis, 0)               # [K, X..., H]
-    return tuple(a.at[:, _local(st, n, page_X), off_X].set(upd.astype(a.dtype), mode="drop")
+    return tuple(a.at[:, _local(st, n, page_X), off_X].set(as_storage(upd, a.dtype), mode="drop")
                  for a, (st, n) in zip(arenas, _spans(arenas)))
 
 
@@ -224,7 +265,7 @@ def write_tokens_q(arenas: tuple, scales, page_X, off_X, x_XKH):
     (`quantize`).  `scales` None: an unquantized pool, (arenas, None)."""
     if scales is None:
         return write_tokens(arenas, page_X, off_X, x_XKH), None
-    codes, sc = quantize(x_XKH, arenas[0].dtype.name)
+    codes, sc = quantize(x_XKH, format_of(arenas[0].dtype))
     return write_tokens(arenas, page_X, off_X, codes), write_tokens(scales, page_X, off_X, sc)
 
 
@@ -240,7 +281,7 @@ def write_rows(arenas_k: tuple, arenas_v: tuple, page_R, off_R, k_RKH, v_RKH,
     spans = _spans(arenas_k)
     parts = [(tuple(arenas_k), k_RKH), (tuple(arenas_v), v_RKH)]
     if scales_k is not None:
-        fmt = arenas_k[0].dtype.name
+        fmt = format_of(arenas_k[0].dtype)
         (kq, ksc), (vq, vsc) = quantize(k_RKH, fmt), quantize(v_RKH, fmt)
         parts = [(tuple(arenas_k), kq), (tuple(arenas_v), vq), (tuple(scales_k), ksc),
                  (tuple(scales_v), vsc)]
@@ -251,7 +292,7 @@ def write_rows(arenas_k: tuple, arenas_v: tuple, page_R, off_R, k_RKH, v_RKH,
         start = (0, jnp.clip(loc, 0, n - 1), off_R[r]) + (0,) * len(rest)
         old = jax.lax.dynamic_slice(a, start, (a.shape[0], 1, 1, *rest))
         new = jax.lax.dynamic_index_in_dim(x, r, 0, keepdims=False)
-        new = new.astype(a.dtype).reshape(a.shape[0], 1, 1, *rest)
+        new = as_storage(new, a.dtype).reshape(a.shape[0], 1, 1, *rest)
         return jax.lax.dynamic_update_slice(a, jnp.where((loc >= 0) & (loc < n), new, old),
                                             start)
 
@@ -307,7 +348,7 @@ def page_partials(q_RKGH, k_KPTH, v_KPTH, owner_P, count_P, ks_KPT=None, vs_KPT=
     qz = jnp.concatenate([q_RKGH, jnp.zeros_like(q_RKGH[:1])])   # row R: no owner
     q_KPGH = qz[owner_P].transpose(1, 0, 2, 3)
     if ks_KPT is not None:
-        k_KPTH, v_KPTH = k_KPTH.astype(F32), v_KPTH.astype(F32)
+        k_KPTH, v_KPTH = as_format(k_KPTH).astype(F32), as_format(v_KPTH).astype(F32)
     s = jnp.einsum("kpgh,kpth->kpgt", q_KPGH.astype(k_KPTH.dtype), k_KPTH,
                    preferred_element_type=F32) * (q_RKGH.shape[-1] ** -0.5)
     if ks_KPT is not None:
@@ -368,6 +409,8 @@ def kernel_attend(arenas_k: tuple, arenas_v: tuple, q_RQH, pt_RM, length_R, *,
     if scales_k is not None:
         dtype = q_RQH.dtype
         extra = {"k_scales_pages": scales_k[0], "v_scales_pages": scales_v[0]}
+        # (e4m3 bytes -- a CPU pool under the Pallas interpreter -- as float8 for the kernel)
+        arenas_k, arenas_v = (as_format(arenas_k[0]),), (as_format(arenas_v[0]),)
     k_splits, per_block = kernel_blocks(pt_RM.shape[1], arenas_k[0].shape[2],
                                         kernel_max_positions(dtype, arenas_k[0].shape[3]))
     q = (q_RQH.astype(F32) * (q_RQH.shape[-1] ** -0.5)).astype(dtype)

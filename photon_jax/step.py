@@ -94,21 +94,23 @@ class DeviceState:
         arrays compiles again for the committed ones its outputs are).  `kv_dtype`: an 8-bit
         pool (`kvpool.QUANTIZED`), None = the model's dtype."""
         with jax.default_device(device):
-            state = cls._build(cfg, arena_sizes, page_size, max_batch_size, kv_dtype)
+            state = cls._build(cfg, arena_sizes, page_size, max_batch_size, kv_dtype,
+                               None if device is None else device.platform)
             return jax.device_put(state, device)
 
     @classmethod
     def abstract(cls, cfg: MoondreamConfig, *, arena_sizes: tuple, page_size: int,
-                 max_batch_size: int, kv_dtype: str | None = None) -> "DeviceState":
+                 max_batch_size: int, kv_dtype: str | None = None,
+                 platform: str | None = None) -> "DeviceState":
         """The same state as shapes and dtypes only (nothing allocated): for compiling and
-        for memory accounting."""
+        for memory accounting (`platform`: whose pool storage, `kvpool.storage_dtype`)."""
         return jax.eval_shape(lambda: cls._build(cfg, arena_sizes, page_size, max_batch_size,
-                                                 kv_dtype))
+                                                 kv_dtype, platform))
 
     @classmethod
-    def _build(cls, cfg, arena_sizes, page_size, max_batch_size, kv_dtype=None):
+    def _build(cls, cfg, arena_sizes, page_size, max_batch_size, kv_dtype=None, platform=None):
         return cls(kvpool.init_pool(cfg.text, tuple(arena_sizes), page_size,
-                                    kv_dtype or cfg.dtype),
+                                    kv_dtype or cfg.dtype, platform),
                    [init_slot(cfg, max_batch_size), init_slot(cfg, max_batch_size)],
                    init_pending(max_batch_size + 1),
                    Tables(**{k: jnp.asarray(v) for k, v in constraints.tables(

@@ -110,6 +110,11 @@ def test_decode_paths_equal_float64_on_the_dequantized_pool(fmt, kh, g):
         assert cpukernel.load(), cpukernel.reason()
         outs["cpu"] = np.asarray(jax.jit(cpukernel.attend)(kq, vq, jnp.asarray(q), table,
                                                            lengths, ksc, vsc))
+        # ... and as a CPU pool stores the codes (e4m3: its bytes, `kvpool.storage_dtype`)
+        st = kvpool.storage_dtype(fmt, "cpu")
+        outs["cpu-stored"] = np.asarray(jax.jit(cpukernel.attend)(
+            kvpool.as_storage(kq, st), kvpool.as_storage(vq, st), jnp.asarray(q), table,
+            lengths, ksc, vsc))
     for name, out in outs.items():
         for i, (pos, t) in enumerate(zip(positions, tables)):
             want = dense_attention(q[i], np.concatenate([kd[:, j] for j in t], 1)[:, :pos + 1],
@@ -201,7 +206,7 @@ def test_writes_quantize_and_prefill_attends_the_dequantized_pages(fmt):
     rng = np.random.default_rng(1)
     page, sizes = 16, (9,)
     pool = kvpool.init_pool(t, sizes, page, fmt)
-    assert pool.quantized and pool.k[0][0].dtype == jnp.dtype(fmt)
+    assert pool.quantized and pool.k[0][0].dtype == kvpool.storage_dtype(fmt)
     assert pool.ks[0][0].shape == (t.n_kv_heads, 9, page)
     rows, steps = 2, 20
     k = rng.normal(size=(rows, steps, t.n_kv_heads, t.head_dim)).astype(np.float32)
@@ -215,7 +220,7 @@ def test_writes_quantize_and_prefill_attends_the_dequantized_pages(fmt):
     new, out = jax.jit(lambda pl, *a: acc.update(pl, 0, *a))(
         pool, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos))
     kc, ksc = kvpool.quantize(jnp.asarray(k), fmt)
-    got = np.asarray(new.k[0][0])[:, page_RT, off_RT]        # [K, R, T, H]
+    got = np.asarray(kvpool.as_format(new.k[0][0]))[:, page_RT, off_RT]        # [K, R, T, H]
     np.testing.assert_array_equal(got, np.moveaxis(np.asarray(kc), 2, 0))
     np.testing.assert_array_equal(np.asarray(new.ks[0][0])[:, page_RT, off_RT],
                                   np.moveaxis(np.asarray(ksc), 2, 0))
@@ -231,7 +236,7 @@ def test_writes_quantize_and_prefill_attends_the_dequantized_pages(fmt):
     res = jax.jit(kvpool.write_rows)(new.k[0], new.v[0], jnp.array([3, 1]), jnp.array([5, 4]),
                                      jnp.asarray(k1), jnp.asarray(k1), new.ks[0], new.vs[0])
     c1, s1 = kvpool.quantize(jnp.asarray(k1), fmt)
-    np.testing.assert_array_equal(np.asarray(res[0][0])[:, [3, 1], [5, 4]],
+    np.testing.assert_array_equal(np.asarray(kvpool.as_format(res[0][0]))[:, [3, 1], [5, 4]],
                                   np.moveaxis(np.asarray(c1), 1, 0))
     np.testing.assert_array_equal(np.asarray(res[2][0])[:, [3, 1], [5, 4]], np.asarray(s1).T)
     # The image prefix's dense K/V, then a copy of its pages (a cache hit).
@@ -242,11 +247,11 @@ def test_writes_quantize_and_prefill_attends_the_dequantized_pages(fmt):
     written = jax.jit(step_mod._write_prefix_pages)(new, jnp.asarray(kl), jnp.asarray(kl),
                                                     jnp.asarray(pg), jnp.asarray(off))
     cl, sl = kvpool.quantize(jnp.asarray(kl[1]), fmt)
-    np.testing.assert_array_equal(np.asarray(written.k[1][0])[:, pg, off],
+    np.testing.assert_array_equal(np.asarray(kvpool.as_format(written.k[1][0]))[:, pg, off],
                                   np.moveaxis(np.asarray(cl), 1, 0))
     copied = jax.jit(step_mod._copy_pages)(written, jnp.array([6, 7]), jnp.array([8, 2]))
     for part in ("k", "v", "ks", "vs"):
-        a = np.asarray(getattr(copied, part)[1][0])
+        a = np.asarray(kvpool.as_format(getattr(copied, part)[1][0]))
         np.testing.assert_array_equal(a[:, [8, 2]], a[:, [6, 7]], err_msg=part)
 
 
@@ -331,8 +336,7 @@ def test_engine_pipelined_equals_blocking_and_cache_hits_equal_misses(model8, fm
     assert stats["prefix_cache"]["hits"] >= 1
     assert mem["kv_dtype"] == fmt
     assert mem["kv_bytes_per_token"] == memory.bytes_per_token(model8.cfg, kv_dtype=fmt)
-    if fmt == "int8":   # (one format is enough for the schedule's equivalence)
-        assert _run(model8, reqs, kv_dtype=fmt, pipelined=False)[0] == piped
+    assert _run(model8, reqs, kv_dtype=fmt, pipelined=False)[0] == piped
     assert _run(model8, reqs, kv_dtype=fmt, prefix_cache=False)[0] == piped
 
 

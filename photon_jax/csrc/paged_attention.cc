@@ -9,7 +9,8 @@
 //
 // Shapes (the pool layout of photon_jax/kvpool.py, one arena):
 //   q      [R, N, H]  float32   queries, head n reads kv head n / (N / K)
-//   k, v   [K, P, T, H]         float32, bfloat16, int8 or float8_e4m3fn pool pages
+//   k, v   [K, P, T, H]         float32, bfloat16, int8 or float8_e4m3fn pool pages (e4m3
+//                               also as uint8: its bytes, how a CPU pool stores it)
 //   ks, vs [K, P, T]  float32   per-position scales of 8-bit pages (value = code * scale;
 //                               ignored, and may be empty, for float32 / bfloat16 pages)
 //   table  [R, M]     int32     a row's pages in logical order (page j = positions jT..jT+T-1)
@@ -257,6 +258,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
       return Attend(pool, s, qp, static_cast<const uint16_t*>(k.untyped_data()),
                     static_cast<const uint16_t*>(v.untyped_data()), tp, lp, op, scale);
     case ffi::S8:
+    case ffi::U8:
     case ffi::F8E4M3FN: {
       const int64_t n_scales = s.kv_heads * s.pages * s.page_size;
       if (ks.element_count() != n_scales || vs.element_count() != n_scales) {
