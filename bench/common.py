@@ -96,8 +96,11 @@ CONFIGS = {"small": small_config, "tiny": tiny_config, "md2": md2_config, "md3":
            "small_md3": small_md3_config, "small_v27": small_v27_config}
 
 
-def build_model(name: str, eos_bias: float = 0.0, dtype: str | None = None):
-    """A Model of config `name` with random weights (an EOS logit bias if asked)."""
+def build_model(name: str, eos_bias: float = 0.0, dtype: str | None = None,
+                kv_dtype: str | None = None):
+    """A Model of config `name` with random weights (an EOS logit bias if asked).
+    `kv_dtype`: the KV pool format every run of this model gets (kept on the model as
+    `bench_kv_dtype`, canonical: None = the model's dtype)."""
     import jax
 
     from photon_jax.model import Model
@@ -111,7 +114,16 @@ def build_model(name: str, eos_bias: float = 0.0, dtype: str | None = None):
     if eos_bias:
         head = params["text"]["lm_head"]
         head["b"] = head["b"].at[cfg.tokenizer.eos_id].add(eos_bias)
-    return Model(cfg, params, load_tokenizer(TOKENIZER))
+    from photon_jax.kvpool import canonical_kv_dtype
+
+    model = Model(cfg, params, load_tokenizer(TOKENIZER))
+    model.bench_kv_dtype = canonical_kv_dtype(kv_dtype, cfg.dtype)
+    return model
+
+
+def kv_dtype_of(model):
+    """The KV pool format of a benchmark model (`build_model`)."""
+    return getattr(model, "bench_kv_dtype", None)
 
 
 def prefix(model):
@@ -176,7 +188,7 @@ def memory_plan(model, batch: int, page_size: int = 64, kv_cache_tokens: int | N
                        max_context=cfg.text.max_context, page_size=page_size,
                        kv_cache_tokens=kv_cache_tokens, free=None if plat != "cpu" else
                        memory.device_free(jax.devices()[0]),
-                       sweep=step.sweeps(model.attention))
+                       sweep=step.sweeps(model.attention), kv_dtype=kv_dtype_of(model))
 
 
 def row_tables(batch: int, positions: int, page_size: int) -> list[list[int]]:
@@ -231,7 +243,7 @@ def device_state(model, batch: int, steps: int, page_size: int = 64,
                                           plan, owners=step_mod.sweeps(model.attention))
     dev = step_mod.DeviceState.init(cfg, arena_sizes=plan.arenas.sizes[:n_arenas],
                                     page_size=page_size, max_batch_size=batch,
-                                    device=jax.devices()[0])
+                                    device=jax.devices()[0], kv_dtype=kv_dtype_of(model))
     samp = np.zeros((step_mod.S_ALLOW + 1, batch), np.int32)
     samp[step_mod.S_ROW] = np.arange(1, batch + 1)
     samp[step_mod.S_CONSTRAINT] = constraints.BAN_ANSWER
@@ -245,7 +257,7 @@ def device_state(model, batch: int, steps: int, page_size: int = 64,
 # -- bytes: XLA's cost analysis of a decode step, next to its floor -------------------------
 
 def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: str = "cpu",
-                attention: str = "xla") -> dict:
+                attention: str = "xla", kv_dtype: str | None = None) -> dict:
     """Bytes accessed by the compiled decode forward (`step.forward`) of `batch` rows at
     `position`, from XLA's cost analysis, compiled from abstract shapes only (nothing is
     allocated: works at full model size), next to its floor: the weights the step must read
@@ -265,7 +277,8 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
         tokens += 4 * cfg.prefix_len
     plan = memory.plan(cfg, platform=platform_, max_batch_size=batch,
                        max_context=cfg.text.max_context, page_size=page_size,
-                       kv_cache_tokens=tokens, free=None, sweep=step_mod.sweeps(attention))
+                       kv_cache_tokens=tokens, free=None, sweep=step_mod.sweeps(attention),
+                       kv_dtype=kv_dtype)
 
     class _Model:
         pass
@@ -276,7 +289,8 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
                                           owners=step_mod.sweeps(attention))
     params = jax.eval_shape(unstack_layers, abstract_params(cfg))   # as a loaded model
     dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes[:n_arenas],
-                                        page_size=page_size, max_batch_size=batch)
+                                        page_size=page_size, max_batch_size=batch,
+                                        kv_dtype=kv_dtype, platform=platform_)
     prog = step_mod.build(cfg, attention).forward
     args = (params, dev.pool, dev.slots[0], dev.pending,
             jax.ShapeDtypeStruct(metas[0].shape, jnp.int32),
@@ -291,11 +305,13 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
                                                    "coord_features", "size_features")
                    for x in jax.tree.leaves(region[k]))
     weights = (text_w - t.vocab_size * t.dim + batch * t.dim + region_w) * itemsize
-    kv = 2 * t.n_layers * batch * (position + 1) * t.n_kv_heads * t.head_dim * itemsize
+    # (An 8-bit pool's attended KV: its codes and their scales.)
+    kv = batch * (position + 1) * memory.bytes_per_token(cfg, kv_dtype=kv_dtype)
     logits = batch * t.vocab_size * 4
     floor = weights + kv + logits
     if step_mod.sweeps(attention):
-        swept = plan.arenas.pages_in(n_arenas) * page_size * memory.bytes_per_token(cfg)
+        swept = plan.arenas.pages_in(n_arenas) * page_size * \
+            memory.bytes_per_token(cfg, kv_dtype=kv_dtype)
     else:   # the kernels read each row's positions 0..position through its page table
         swept = kv
     xla_bytes = int(ca["bytes accessed"])
@@ -331,7 +347,8 @@ def engine_run(model, enc, batch: int, steps: int, pipelined: bool, host_work_ms
     tokens = None if jax.devices()[0].platform == "cpu" else \
         run_tokens(batch, start(model, prompt_tokens) + steps + 1)
     eng = Engine(model, max_batch_size=batch, pipelined=pipelined, host_work_ms=host_work_ms,
-                 prefill_tokens=batch * model.cfg.text.max_context, kv_cache_tokens=tokens)
+                 prefill_tokens=batch * model.cfg.text.max_context, kv_cache_tokens=tokens,
+                 kv_dtype=kv_dtype_of(model))
     try:
         for h in eng.submit_many(requests(model, enc, batch, steps,
                                           prompt_tokens=prompt_tokens)):
@@ -444,7 +461,8 @@ def measure(model, config: str, batch: int, steps: int, mode: str, reps: int,
     fwd, smp, disp = component_times(model, batch, steps, **pt)
     # Bytes: XLA's cost analysis of the compiled forward at the run's middle step.
     cost = decode_cost(model.cfg, batch, start(model, prompt_tokens) + steps // 2,
-                       platform_=jax.devices()[0].platform, attention=model.attention)
+                       platform_=jax.devices()[0].platform, attention=model.attention,
+                       kv_dtype=kv_dtype_of(model))
     b_ms, p_ms, c_ms = (1e3 * batch / x for x in (b, p, c))
     # The cost model, from parts measured apart from the loop they predict: the device's
     # step is the ceiling's (forward + sample with no host in between), split between
@@ -474,6 +492,7 @@ def measure(model, config: str, batch: int, steps: int, mode: str, reps: int,
     r = lambda x: round(x, 3)  # noqa: E731
     return {
         "kind": "loops", "config": config, "batch": batch, "mode": mode, "steps": steps,
+        "kv_dtype": kv_dtype_of(model) or model.cfg.dtype,
         "first_position": start(model, prompt_tokens),
         "blocking_tok_s": round(b, 1), "pipelined_tok_s": round(p, 1),
         "ceiling_tok_s": round(c, 1), "host_ms": r(hb), "host_pipelined_ms": r(hp),

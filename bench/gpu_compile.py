@@ -98,7 +98,7 @@ def compile_row(what: str, fn, args, device, **fields) -> dict:
                                        and "known_trip_count" not in ln)}
 
 
-def kernel_rows(device, blocks: bool):
+def kernel_rows(device, blocks: bool, kv_dtypes=()):
     import jax
     import jax.numpy as jnp
     from photon_jax import kvpool
@@ -109,6 +109,22 @@ def kernel_rows(device, blocks: bool):
     pool = lambda page, dt: jax.ShapeDtypeStruct((kv_heads, pages, page, dim), dt)  # noqa
     ints = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     kernel = jax.jit(lambda k, v, q, t, n: kvpool.kernel_attend((k,), (v,), q, t, n))
+    if kv_dtypes:   # 8-bit pools with their scales, queries in the model's dtype
+        kernel8 = jax.jit(lambda k, v, ks, vs, q, t, n: kvpool.kernel_attend(
+            (k,), (v,), q, t, n, scales_k=(ks,), scales_v=(vs,)))
+        for kv in kv_dtypes:
+            for dt in ("bfloat16", "float32"):
+                for page, width in ((64, 32), (64, 512), (128, 256)):
+                    most = kvpool.kernel_max_positions(dt, dim)
+                    sc = jax.ShapeDtypeStruct((kv_heads, pages, page), jnp.float32)
+                    q = jax.ShapeDtypeStruct((rows, heads, dim), jnp.dtype(dt))
+                    yield compile_row("kernel", kernel8, (pool(page, kv), pool(page, kv), sc, sc,
+                                                          q, ints(rows, width), ints(rows)),
+                                      device, dtype=dt, kv_dtype=kv, page_size=page,
+                                      table_width=width,
+                                      blocks=kvpool.kernel_blocks(width, page, most),
+                                      engine_refuses=page > most)
+        return
     for dt in ("bfloat16", "float32"):
         for page, width in ((64, 32), (64, 512), (32, 25), (16, 128), (128, 256), (256, 128)):
             q = jax.ShapeDtypeStruct((rows, heads, dim), jnp.float32)
@@ -241,6 +257,8 @@ def main() -> None:
                     help="also the kernel at every pages-per-step from 1 to 16")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--kernel-only", action="store_true")
+    ap.add_argument("--kv-dtype", nargs="+", default=(), choices=["int8", "float8_e4m3fn"],
+                    help="the kernel rows over 8-bit pools (with scales) instead")
     ap.add_argument("--models", nargs="+", default=["md2", "md3"],
                     help="configs of bench/common.py (bfloat16)")
     ap.add_argument("--lower-only", action="store_true",
@@ -248,7 +266,7 @@ def main() -> None:
     args = ap.parse_args()
     device = None if args.lower_only else h200_device()
     env = {**env_info(), "target": "lowered for CUDA" if device is None else "H200, deviceless"}
-    for row in kernel_rows(device, args.blocks):
+    for row in kernel_rows(device, args.blocks, tuple(args.kv_dtype)):
         print(json.dumps({**row, **env}), flush=True)
     if not args.kernel_only:
         for row in program_rows(device, args.batch, args.models):

@@ -176,7 +176,7 @@ def child(args) -> None:
         print(json.dumps(row), flush=True)
 
     for config in args.config:
-        model = build_model(config)
+        model = build_model(config, kv_dtype=args.kv_dtype)
         for batch in args.batch:
             emit(measure(model, config, batch, args.steps, args.mode, args.reps))
     if args.host_work:
@@ -252,6 +252,9 @@ def main(argv=None) -> int:
                     "position 1000 (compiled from abstract shapes)")
     ap.add_argument("--out", help="write all rows (JSON) and the gain plot here "
                     "(full run: bench/results)")
+    ap.add_argument("--kv-dtype", default=None,
+                    help="the KV pool's format for the loops: the model's dtype (default, or "
+                         "its name), int8 or float8_e4m3fn")
     ap.add_argument("--mode", help=argparse.SUPPRESS)   # set in the child process
     args = ap.parse_args(argv)
     if args.mode:
@@ -277,6 +280,8 @@ def main(argv=None) -> int:
         cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--config",
                *args.config, "--steps", str(args.steps), "--reps", str(args.reps),
                "--batch", *map(str, args.batch)]
+        if args.kv_dtype:
+            cmd += ["--kv-dtype", args.kv_dtype]
         if args.host_work:
             cmd += ["--host-work", *map(str, args.host_work)]
         # The zombie tax is a property of the schedule, not of where XLA runs: one mode.

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Union
 import jax
 from tqdm.auto import tqdm
 
-from . import aio, compile_cache as compile_cache_mod, memory, sources, step
+from . import aio, compile_cache as compile_cache_mod, kvpool, memory, sources, step
 from .config import MoondreamConfig
 from .engine import Engine
 from .request import Handle, Request
@@ -77,7 +77,7 @@ class Moondream:
              max_context: int | None = None, kv_cache_tokens: int | None = None,
              prefix_cache: bool = True, device=None, workers: int = 2,
              compile_cache: bool = True, warmup: bool = False,
-             attention: str | None = None) -> "Moondream":
+             attention: str | None = None, kv_dtype: str | None = None) -> "Moondream":
         """Load a model and start its engine.  `path`: a directory written by
         `photon-convert`, a Hugging Face snapshot directory (config.json + model.safetensors
         or a sharded index), or a hub id such as "vikhyatk/moondream2" (`revision`: a branch,
@@ -108,6 +108,11 @@ class Moondream:
         attention: the decode attention (`step.ATTENTION`): None picks the device's
             ("pallas" on GPU, "cpu-kernel" on CPU when the C++ kernel builds), "xla" the
             XLA formulation on any device.
+        kv_dtype: the KV pool's format: None (the model's dtype), "int8" or
+            "float8_e4m3fn" (8-bit codes with a float32 scale per kv head and position:
+            about half a bfloat16 pool's bytes per token, so ~1.9x the tokens in the same
+            memory; decode reads half the KV bytes).  Results differ slightly from the
+            unquantized cache (bench/README.md, "8-bit KV cache").
         Nothing is downloaded but a hub id's files missing from the Hugging Face cache (and
         the starmie tokenizer, when the snapshot lacks it), unless HF_HUB_OFFLINE is set.
         """
@@ -117,14 +122,16 @@ class Moondream:
         def preflight(cfg, dev):
             # Weights + pool + slots + workspace against the device's free memory, before
             # a byte of the weights is placed: refused with the numbers, not mid-run.  (Bad
-            # argument types are left to the engine, whose errors name them.)
+            # argument types are left to the engine, whose errors name them; kv_dtype is
+            # checked here, before the weights load.)
+            kv = kvpool.canonical_kv_dtype(kv_dtype, cfg.dtype)
             if not isinstance(max_batch_size, int) or not isinstance(max_context or 0, int):
                 return
             memory.check(memory.plan(cfg, platform=dev.platform,
                                      max_batch_size=max_batch_size,
                                      max_context=max_context or cfg.text.max_context,
                                      page_size=64, kv_cache_tokens=kv_cache_tokens,
-                                     free=memory.device_free(dev),
+                                     free=memory.device_free(dev), kv_dtype=kv,
                                      sweep=step.sweeps(attention or
                                                        step.default_attention(dev.platform))),
                          cfg, max_context=max_context or cfg.text.max_context,
@@ -134,7 +141,8 @@ class Moondream:
                            preflight=preflight)
         engine = Engine(model, max_batch_size=max_batch_size, max_context=max_context,
                         kv_cache_tokens=kv_cache_tokens, prefix_cache=prefix_cache,
-                        pipelined=pipelined, workers=workers, warmup=warmup)
+                        pipelined=pipelined, workers=workers, warmup=warmup,
+                        kv_dtype=kv_dtype)
         if warmup:
             try:
                 engine.wait_warm()

@@ -80,18 +80,20 @@ _PAGED_ATTENTION_ARGS = ("q", "k_pages", "v_pages", "block_tables", "lengths", "
                          "pages_per_compute_block", "interpret")
 
 
-def pallas_gpu_paged_attention():
-    """JAX's Pallas GPU paged-attention kernel, checked for the arguments kvpool passes."""
+def pallas_gpu_paged_attention(quantized: bool = False):
+    """JAX's Pallas GPU paged-attention kernel, checked for the arguments kvpool passes
+    (`quantized`: also the scales of an 8-bit pool)."""
     try:
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
     except ImportError as e:
         raise _fail("jax.experimental.pallas.ops.gpu.paged_attention.paged_attention",
                     "the GPU paged-attention kernel") from e
     params = inspect.signature(paged_attention).parameters
-    missing = [p for p in _PAGED_ATTENTION_ARGS if p not in params]
+    want = _PAGED_ATTENTION_ARGS + (("k_scales_pages", "v_scales_pages") if quantized else ())
+    missing = [p for p in want if p not in params]
     if missing or list(params)[:5] != list(_PAGED_ATTENTION_ARGS[:5]):
         raise _fail("jax.experimental.pallas.ops.gpu.paged_attention.paged_attention("
-                    + ", ".join(_PAGED_ATTENTION_ARGS) + ")",
+                    + ", ".join(want) + ")",
                     f"the kernel's signature; this one is ({', '.join(params)})")
     return paged_attention
 

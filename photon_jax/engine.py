@@ -95,8 +95,11 @@ class Engine:
                  prefix_cache: bool = True, pipelined: bool = True,
                  prefill_tokens: int = 2048, workers: int = 2, log_steps: int = 100_000,
                  record_events: bool = False, warmup: bool = False,
-                 prefill_drains: bool = False, host_work_ms: float = 0.0):
+                 prefill_drains: bool = False, host_work_ms: float = 0.0,
+                 kv_dtype: str | None = None):
         cfg = model.cfg
+        # The pool's format: None (the model's dtype) or 8-bit codes + scales (`kvpool`).
+        self.kv_dtype = kvpool.canonical_kv_dtype(kv_dtype, cfg.dtype)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
         ctx = cfg.text.max_context if max_context is None else max_context
@@ -121,14 +124,15 @@ class Engine:
             memory.plan(cfg, platform=self.device.platform, max_batch_size=max_batch_size,
                         max_context=ctx, page_size=page_size, kv_cache_tokens=kv_cache_tokens,
                         free=memory.device_free(self.device), weights_loaded=True,
-                        sweep=step_mod.sweeps(model.attention)),
+                        sweep=step_mod.sweeps(model.attention), kv_dtype=self.kv_dtype),
             cfg, max_context=ctx, weights_loaded=True)
         self.page_size, self.arenas = page_size, self.plan.arenas
         self.sweep = step_mod.sweeps(model.attention)   # page owners uploaded per step
         self.max_pages = pages_for(ctx, page_size)   # a row's page table
         self.dev = step_mod.DeviceState.init(cfg, arena_sizes=self.arenas.sizes,
                                              page_size=page_size,
-                                             max_batch_size=max_batch_size, device=self.device)
+                                             max_batch_size=max_batch_size, device=self.device,
+                                             kv_dtype=self.kv_dtype)
         self.sched = Scheduler(max_batch_size=max_batch_size, n_pages=self.arenas.n_pages,
                                page_size=page_size, prefix_len=cfg.prefix_len,
                                prefill_tokens=prefill_tokens, prefix_cache=prefix_cache,
@@ -160,9 +164,13 @@ class Engine:
 
     def memory(self) -> dict:
         """The device buffers allocated at start-up and how the KV pool is used now (pages
-        of `page_size` positions; `kv_cache_tokens` = usable pages x page size)."""
+        of `page_size` positions; `kv_cache_tokens` = usable pages x page size; `kv_dtype`:
+        the pool's format, `kv_bytes_per_token`: K + V of a position over every layer,
+        scales included)."""
         a, c = self.sched.alloc, self.sched.cache
         return {"kv_pool": self.plan.pool, "kv_cache_tokens": self.plan.kv_cache_tokens,
+                "kv_dtype": self.kv_dtype or self.cfg.dtype,
+                "kv_bytes_per_token": memory.bytes_per_token(self.cfg, kv_dtype=self.kv_dtype),
                 "page_size": self.page_size, "pages": a.usable, "pages_free": a.n_free,
                 "pages_reserved": a.reserved,
                 "pages_in_sequences": a.in_use() - c.pages(),

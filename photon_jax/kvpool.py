@@ -28,6 +28,24 @@ Prefill attention gathers the rows' pages into a contiguous [R, S, K, H] view (p
 compute-bound; the gather is small next to it) and runs the ordinary masked attention, so
 prefill numerics are exactly the one-request path's.
 
+8-bit pools (`kv_dtype` "int8" / "float8_e4m3fn"; default: the model's dtype, unquantized).
+K and V are stored as 8-bit codes with one float32 scale per (kv head, position): `ks[l][a]`
+/ `vs[l][a]` of shape [K, Pa, T] beside the [K, Pa, T, H] codes, the layout JAX's Pallas
+kernel takes as `k_scales_pages` / `v_scales_pages`.  The scale is the absmax of that
+head's H-vector over the format's largest value (127, or 448 for e4m3), so the vector's
+largest element is represented exactly and the rest to the format's resolution.  Why per
+position and not per page: positions are written one at a time as a page fills (decode
+appends one per step), so a per-page scale would have to grow -- and the page be
+requantized -- whenever a later position is larger, compounding rounding on values already
+stored; a per-position scale is computed once, at the write, and never touched again (a
+page of the prefix cache is quantized once, when written, and shared or copied as bytes
+with its scales).  The cost: 4 bytes per (head, position) next to H code bytes (6% at
+H = 64).  Every write quantizes (`quantize`); every attention dequantizes where it reads:
+the sweep and the kernels fold the scales into the scores (K) and the probabilities (V),
+prefill multiplies the gathered codes by their scales.  e4m3 codes are stored as their
+bytes (uint8) on CPU, typed float8 elsewhere (`storage_dtype`: XLA:CPU emulates float8 by
+converting whole operands).
+
 Shapes use the axis letters of docs/architecture.md (in the repository); P pages, T positions in a page, M pages
 in a row's page table.
 """
@@ -44,12 +62,99 @@ from .dtypes import F32, jnp_dtype, matmul_precision
 from .layers import attention
 
 
+# 8-bit formats of the pool and the largest magnitude each represents.
+QUANTIZED = {"int8": 127.0, "float8_e4m3fn": 448.0}
+KV_DTYPES = (None, *QUANTIZED)
+_KV_ALIASES = {"fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "float8": "float8_e4m3fn",
+               "s8": "int8"}
+
+
+def canonical_kv_dtype(kv_dtype, model_dtype=None):
+    """None (unquantized: the model's dtype), "int8" or "float8_e4m3fn"; the model's own
+    dtype name means None.  Anything else is refused, naming the argument and the choices."""
+    if kv_dtype is None:
+        return None
+    try:
+        name = kv_dtype if isinstance(kv_dtype, str) else jnp.dtype(kv_dtype).name
+    except TypeError:
+        name = repr(kv_dtype)
+    name = _KV_ALIASES.get(name.lower(), name.lower())
+    if name in QUANTIZED:
+        return name
+    if model_dtype is not None and name in ("float32", "bfloat16", "f32", "bf16", "fp32") and \
+            jnp_dtype(name) == jnp_dtype(model_dtype):
+        return None
+    raise ValueError(f"kv_dtype must be one of None (the model's dtype), 'int8' or "
+                     f"'float8_e4m3fn', got {kv_dtype!r}")
+
+
+# How an 8-bit pool stores its codes.  e4m3 codes live as their bytes (uint8) on CPU: XLA:CPU
+# emulates float8 by converting every float8 operand to float16 first, so an in-place write
+# of one position or a gather of a few pages converted the whole arena (measured: a batch-32
+# decode step of the small config went from 40 ms to minutes).  On GPU the pool is typed
+# float8_e4m3fn, which the Pallas kernel reads as such.  int8 is int8 everywhere.
+_BYTES = jnp.dtype(jnp.uint8)
+
+
+def storage_dtype(fmt: str, platform: str | None = None):
+    """The pool's array dtype for 8-bit format `fmt` on `platform` (None: JAX's default)."""
+    platform = platform or jax.default_backend()
+    if fmt == "float8_e4m3fn" and platform == "cpu":
+        return _BYTES
+    return jnp.dtype(fmt)
+
+
+def format_of(dtype) -> str:
+    """The 8-bit format of a pool array's dtype (uint8: e4m3 bytes)."""
+    dtype = jnp.dtype(dtype)
+    return "int8" if dtype == jnp.int8 else "float8_e4m3fn"
+
+
+def as_format(codes):
+    """Codes as their format's dtype (e4m3 bytes reinterpreted; anything else as is)."""
+    if codes.dtype == _BYTES:
+        return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    return codes
+
+
+def as_storage(codes, dtype):
+    """Codes as a pool of `dtype` stores them (e4m3 -> its bytes for a uint8 pool)."""
+    if jnp.dtype(dtype) == _BYTES and codes.dtype != _BYTES:
+        return jax.lax.bitcast_convert_type(codes.astype(jnp.float8_e4m3fn), _BYTES)
+    return codes.astype(dtype)
+
+
+def quantize(x, fmt: str):
+    """(codes, scale): x [..., H] as 8-bit codes of `fmt` and float32 scales [...] with
+    codes * scale ~ x; scale = absmax(x) / the format's max (1 for an all-zero vector)."""
+    top = QUANTIZED[fmt]
+    x = x.astype(F32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / top
+    scale = jnp.where(scale > 0, scale, 1.0)
+    y = jnp.clip(x / scale[..., None], -top, top)
+    if fmt == "int8":
+        y = jnp.round(y)
+    return y.astype(jnp.dtype(fmt)), scale
+
+
+def dequantize(codes, scale):
+    """float32 codes * scale (scale [...] for codes [..., H]; codes in any storage)."""
+    return as_format(codes).astype(F32) * scale[..., None]
+
+
 @flax.struct.dataclass
 class KVPool:
     """k[l][a], v[l][a]: [K, Pa, T, H] arrays, per layer l and arena a (arenas may differ in
-    size: `meta.Arenas`)."""
+    size: `meta.Arenas`).  8-bit pools also hold ks[l][a], vs[l][a]: [K, Pa, T] float32
+    scales (empty tuples when unquantized)."""
     k: tuple
     v: tuple
+    ks: tuple = ()
+    vs: tuple = ()
+
+    @property
+    def quantized(self) -> bool:
+        return len(self.ks) > 0
 
     @property
     def n_arenas(self) -> int:
@@ -65,40 +170,66 @@ class KVPool:
 
     def arenas(self, n: int) -> "KVPool":
         """The first n arenas of every layer (what a decode step reads and writes)."""
-        return KVPool(tuple(k[:n] for k in self.k), tuple(v[:n] for v in self.v))
+        return KVPool(*(tuple(x[:n] for x in part) for part in self._parts()))
+
+    def _parts(self):
+        return (self.k, self.v, self.ks, self.vs) if self.quantized else (self.k, self.v)
 
     def merge(self, part: "KVPool") -> "KVPool":
         """Put back the arenas a program returned (the first len(part) of each layer)."""
         n = part.n_arenas
-        return KVPool(tuple(p + k[n:] for p, k in zip(part.k, self.k)),
-                      tuple(p + v[n:] for p, v in zip(part.v, self.v)))
+        return KVPool(*(tuple(p + x[n:] for p, x in zip(new, old))
+                        for new, old in zip(part._parts(), self._parts())))
+
+    def layer(self, li: int):
+        """(k, v, ks, vs) arenas of layer li (ks, vs None when unquantized)."""
+        if self.quantized:
+            return self.k[li], self.v[li], self.ks[li], self.vs[li]
+        return self.k[li], self.v[li], None, None
 
 
 def arena_shape(cfg: TextConfig, pages: int, page_size: int):
     return (cfg.n_kv_heads, pages, page_size, cfg.head_dim)
 
 
-def abstract_pool(cfg: TextConfig, arena_sizes: tuple, page_size: int, dtype) -> KVPool:
-    dt = jnp_dtype(dtype)
-    layer = tuple(jax.ShapeDtypeStruct(arena_shape(cfg, n, page_size), dt)
-                  for n in arena_sizes)
-    return KVPool(tuple(layer for _ in range(cfg.n_layers)),
-                  tuple(layer for _ in range(cfg.n_layers)))
+def _pool_dtype(dtype, platform=None):
+    return storage_dtype(dtype, platform) if dtype in QUANTIZED else jnp_dtype(dtype)
 
 
-def init_pool(cfg: TextConfig, arena_sizes: tuple, page_size: int, dtype) -> KVPool:
-    dt = jnp_dtype(dtype)
+def abstract_pool(cfg: TextConfig, arena_sizes: tuple, page_size: int, dtype,
+                  platform: str | None = None) -> KVPool:
+    """`dtype`: the model's dtype (unquantized) or an 8-bit format of `QUANTIZED`."""
+    return jax.eval_shape(lambda: init_pool(cfg, arena_sizes, page_size, dtype, platform))
+
+
+def init_pool(cfg: TextConfig, arena_sizes: tuple, page_size: int, dtype,
+              platform: str | None = None) -> KVPool:
+    """Zeroed pool; `dtype` an 8-bit format of `QUANTIZED` adds the scale arrays (ones),
+    its codes stored as `storage_dtype` gives for `platform` (None: JAX's default)."""
+    dt = _pool_dtype(dtype, platform)
 
     def layer():
         return tuple(jnp.zeros(arena_shape(cfg, n, page_size), dt) for n in arena_sizes)
 
-    return KVPool(tuple(layer() for _ in range(cfg.n_layers)),
-                  tuple(layer() for _ in range(cfg.n_layers)))
+    def scales():
+        return tuple(jnp.ones(arena_shape(cfg, n, page_size)[:3], F32) for n in arena_sizes)
+
+    parts = [tuple(layer() for _ in range(cfg.n_layers)),
+             tuple(layer() for _ in range(cfg.n_layers))]
+    if dtype in QUANTIZED:
+        parts += [tuple(scales() for _ in range(cfg.n_layers)),
+                  tuple(scales() for _ in range(cfg.n_layers))]
+    return KVPool(*parts)
+
+
+def position_bytes(cfg: TextConfig, dtype) -> int:
+    """Bytes of one position's K and V over every layer (an 8-bit pool: codes + scales)."""
+    per_head = cfg.head_dim * _pool_dtype(dtype).itemsize + (4 if dtype in QUANTIZED else 0)
+    return 2 * cfg.n_layers * cfg.n_kv_heads * per_head
 
 
 def pool_bytes(cfg: TextConfig, n_pages: int, page_size: int, dtype) -> int:
-    return 2 * cfg.n_layers * n_pages * page_size * cfg.n_kv_heads * cfg.head_dim * \
-        jnp_dtype(dtype).itemsize
+    return n_pages * page_size * position_bytes(cfg, dtype)
 
 
 # -- writes and gathers over the arenas of one layer ---------------------------------------
@@ -121,45 +252,65 @@ def _local(start: int, size: int, page_X):
 
 def write_tokens(arenas: tuple, page_X, off_X, x_XKH) -> tuple:
     """Write one [K, H] vector per index of X (any shape) at (page, offset): in place under
-    donation.  Each arena takes the writes of its own pages."""
-    upd = jnp.moveaxis(x_XKH, -2, 0)                      # [K, X..., H]
-    return tuple(a.at[:, _local(st, n, page_X), off_X, :].set(upd.astype(a.dtype),
-                                                               mode="drop")
+    donation.  Each arena takes the writes of its own pages.  (Also writes scales: arenas
+    [K, Pa, T] and x [X..., K].)"""
+    head_axis = -2 if arenas[0].ndim == 4 else -1
+    upd = jnp.moveaxis(x_XKH, head_axis, 0)               # [K, X..., H]
+    return tuple(a.at[:, _local(st, n, page_X), off_X].set(as_storage(upd, a.dtype), mode="drop")
                  for a, (st, n) in zip(arenas, _spans(arenas)))
 
 
-def write_rows(arenas_k: tuple, arenas_v: tuple, page_R, off_R, k_RKH, v_RKH):
+def write_tokens_q(arenas: tuple, scales, page_X, off_X, x_XKH):
+    """`write_tokens` into an 8-bit pool: (arenas, scales), the vectors quantized here, once
+    (`quantize`).  `scales` None: an unquantized pool, (arenas, None)."""
+    if scales is None:
+        return write_tokens(arenas, page_X, off_X, x_XKH), None
+    codes, sc = quantize(x_XKH, format_of(arenas[0].dtype))
+    return write_tokens(arenas, page_X, off_X, codes), write_tokens(scales, page_X, off_X, sc)
+
+
+def write_rows(arenas_k: tuple, arenas_v: tuple, page_R, off_R, k_RKH, v_RKH,
+               scales_k=None, scales_v=None):
     """One position per row (a decode step): a loop over the rows (a static trip count)
     whose body updates, in place, the one slice of each arena that row writes, kept only in
     the arena that holds its page.  (A scatter does the same work, but XLA's cost analysis
     charges a scatter its whole operand, read and written, and unrolled slice updates cost
-    minutes of compilation at 32 rows: this keeps the step's bytes-accessed figure true.)"""
+    minutes of compilation at 32 rows: this keeps the step's bytes-accessed figure true.)
+    With `scales_k` / `scales_v` (an 8-bit pool) the rows are quantized first and the
+    result is (k, v, ks, vs)."""
     spans = _spans(arenas_k)
+    parts = [(tuple(arenas_k), k_RKH), (tuple(arenas_v), v_RKH)]
+    if scales_k is not None:
+        fmt = format_of(arenas_k[0].dtype)
+        (kq, ksc), (vq, vsc) = quantize(k_RKH, fmt), quantize(v_RKH, fmt)
+        parts = [(tuple(arenas_k), kq), (tuple(arenas_v), vq), (tuple(scales_k), ksc),
+                 (tuple(scales_v), vsc)]
 
     def one(a, x, r, st, n):
         loc = page_R[r] - st
-        start = (0, jnp.clip(loc, 0, n - 1), off_R[r], 0)
-        old = jax.lax.dynamic_slice(a, start, (a.shape[0], 1, 1, a.shape[3]))
+        rest = a.shape[3:]
+        start = (0, jnp.clip(loc, 0, n - 1), off_R[r]) + (0,) * len(rest)
+        old = jax.lax.dynamic_slice(a, start, (a.shape[0], 1, 1, *rest))
         new = jax.lax.dynamic_index_in_dim(x, r, 0, keepdims=False)
-        new = new.astype(a.dtype)[:, None, None, :]
+        new = as_storage(new, a.dtype).reshape(a.shape[0], 1, 1, *rest)
         return jax.lax.dynamic_update_slice(a, jnp.where((loc >= 0) & (loc < n), new, old),
                                             start)
 
-    def body(r, kv):
-        ks, vs = kv
-        return (tuple(one(a, k_RKH, r, st, n) for a, (st, n) in zip(ks, spans)),
-                tuple(one(a, v_RKH, r, st, n) for a, (st, n) in zip(vs, spans)))
+    def body(r, arrays):
+        return tuple(tuple(one(a, x, r, st, n) for a, (st, n) in zip(arenas, spans))
+                     for arenas, (_, x) in zip(arrays, parts))
 
-    return jax.lax.fori_loop(0, k_RKH.shape[0], body, (tuple(arenas_k), tuple(arenas_v)))
+    return jax.lax.fori_loop(0, k_RKH.shape[0], body, tuple(a for a, _ in parts))
 
 
 def gather_pages(arenas: tuple, page_X):
-    """[K, X..., T, H]: whole pages, by global id, from whichever arena holds each."""
+    """[K, X..., T, H]: whole pages, by global id, from whichever arena holds each (scales:
+    [K, X..., T])."""
     out = None
     for a, (st, n) in zip(arenas, _spans(arenas)):
         loc = _local(st, n, page_X)
         g = a[:, jnp.minimum(loc, n - 1)]
-        ok = (loc < n)[None, ..., None, None]
+        ok = (loc < n).reshape(1, *loc.shape, *(1,) * (a.ndim - 2))
         out = g if out is None else jnp.where(ok, g, out)
     return out
 
@@ -172,31 +323,42 @@ def write_pages(arenas: tuple, page_N, blocks_KNTH) -> tuple:
 
 # -- attention ------------------------------------------------------------------------------
 
-def prefill_attend(arenas_k: tuple, arenas_v: tuple, q_RTQH, pt_RM, mask_RTS):
-    """Prompt queries against their rows' pages (gathered contiguous), masked by positions."""
+def prefill_attend(arenas_k: tuple, arenas_v: tuple, q_RTQH, pt_RM, mask_RTS,
+                   scales_k=None, scales_v=None):
+    """Prompt queries against their rows' pages (gathered contiguous), masked by positions.
+    An 8-bit pool's gathered codes are dequantized by their scales."""
     r, m = pt_RM.shape
     kv_len = m * arenas_k[0].shape[2]
 
-    def view(arenas):   # [K, R, M, T, H] -> [R, S, K, H]
+    def view(arenas, scales):   # [K, R, M, T, H] -> [R, S, K, H]
         g = gather_pages(arenas, pt_RM)
+        if scales is not None:
+            g = dequantize(g, gather_pages(scales, pt_RM))
         return g.transpose(1, 2, 3, 0, 4).reshape(r, kv_len, g.shape[0], g.shape[-1])
 
-    k, v = view(arenas_k), view(arenas_v)
+    k, v = view(arenas_k, scales_k), view(arenas_v, scales_v)
     return attention(q_RTQH, k.astype(q_RTQH.dtype), v.astype(q_RTQH.dtype), mask_RTS)
 
 
-def page_partials(q_RKGH, k_KPTH, v_KPTH, owner_P, count_P):
+def page_partials(q_RKGH, k_KPTH, v_KPTH, owner_P, count_P, ks_KPT=None, vs_KPT=None):
     """Per page of one arena: (max [K, P, G], sum [K, P, G], weighted V [K, P, G, H]) of its
-    owner row's attention over its first count_P positions (count 0: an empty partial)."""
+    owner row's attention over its first count_P positions (count 0: an empty partial).
+    8-bit pages: the K scales multiply the scores, the V scales the probabilities (a
+    position's scale is a common factor of its vector), so no dequantized copy is made."""
     qz = jnp.concatenate([q_RKGH, jnp.zeros_like(q_RKGH[:1])])   # row R: no owner
     q_KPGH = qz[owner_P].transpose(1, 0, 2, 3)
+    if ks_KPT is not None:
+        k_KPTH, v_KPTH = as_format(k_KPTH).astype(F32), as_format(v_KPTH).astype(F32)
     s = jnp.einsum("kpgh,kpth->kpgt", q_KPGH.astype(k_KPTH.dtype), k_KPTH,
                    preferred_element_type=F32) * (q_RKGH.shape[-1] ** -0.5)
+    if ks_KPT is not None:
+        s = s * ks_KPT[:, :, None, :]
     valid = jnp.arange(k_KPTH.shape[2])[None, None, None, :] < count_P[None, :, None, None]
     s = jnp.where(valid, s, -jnp.inf)
     m = s.max(-1)
     e = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None]), 0.0)
-    o = jnp.einsum("kpgt,kpth->kpgh", e.astype(v_KPTH.dtype), v_KPTH,
+    ev = e if vs_KPT is None else e * vs_KPT[:, :, None, :]
+    o = jnp.einsum("kpgt,kpth->kpgh", ev.astype(v_KPTH.dtype), v_KPTH,
                    preferred_element_type=F32)
     return m, e.sum(-1), o
 
@@ -218,26 +380,37 @@ def combine_partials(m_KPG, l_KPG, o_KPGH, pt_RM):
     return out.transpose(1, 0, 2, 3)                      # [R, K, G, H]
 
 
-def decode_attend(arenas_k: tuple, arenas_v: tuple, q_RQH, owner_P, count_P, pt_RM):
+def decode_attend(arenas_k: tuple, arenas_v: tuple, q_RQH, owner_P, count_P, pt_RM,
+                  scales_k=None, scales_v=None):
     """One query per row against its pages, every swept page read once in place.
     owner_P / count_P cover the pages of the given arenas in global order."""
     r, n, h = q_RQH.shape
     kh = arenas_k[0].shape[0]
     q = q_RQH.reshape(r, kh, n // kh, h).astype(F32)
-    parts = [page_partials(q, kt, vt, owner_P[st:st + size], count_P[st:st + size])
-             for kt, vt, (st, size) in zip(arenas_k, arenas_v, _spans(arenas_k))]
+    none = (None,) * len(arenas_k)
+    parts = [page_partials(q, kt, vt, owner_P[st:st + size], count_P[st:st + size], kst, vst)
+             for kt, vt, kst, vst, (st, size) in zip(
+                 arenas_k, arenas_v, scales_k or none, scales_v or none, _spans(arenas_k))]
     m, l, o = (jnp.concatenate(x, axis=1) for x in zip(*parts))
     return combine_partials(m, l, o, pt_RM).reshape(r, n * h).astype(q_RQH.dtype)
 
 
 def kernel_attend(arenas_k: tuple, arenas_v: tuple, q_RQH, pt_RM, length_R, *,
-                  interpret: bool = False):
+                  interpret: bool = False, scales_k=None, scales_v=None):
     """The same attention by JAX's Pallas GPU paged-attention kernel, which walks each row's
-    page table up to its length (one arena: global page ids are its indices)."""
-    paged_attention = compat.pallas_gpu_paged_attention()
+    page table up to its length (one arena: global page ids are its indices).  An 8-bit
+    pool passes its scales ([K, P, T]: the kernel's k/v_scales_pages); the kernel widens
+    the codes to the query's dtype (the model's) and scales scores and probabilities."""
+    paged_attention = compat.pallas_gpu_paged_attention(quantized=scales_k is not None)
     if len(arenas_k) != 1:
         raise ValueError("the paged-attention kernel reads a single-arena pool")
     dtype = arenas_k[0].dtype
+    extra = {}
+    if scales_k is not None:
+        dtype = q_RQH.dtype
+        extra = {"k_scales_pages": scales_k[0], "v_scales_pages": scales_v[0]}
+        # (e4m3 bytes -- a CPU pool under the Pallas interpreter -- as float8 for the kernel)
+        arenas_k, arenas_v = (as_format(arenas_k[0]),), (as_format(arenas_v[0]),)
     k_splits, per_block = kernel_blocks(pt_RM.shape[1], arenas_k[0].shape[2],
                                         kernel_max_positions(dtype, arenas_k[0].shape[3]))
     q = (q_RQH.astype(F32) * (q_RQH.shape[-1] ** -0.5)).astype(dtype)
@@ -247,7 +420,7 @@ def kernel_attend(arenas_k: tuple, arenas_v: tuple, q_RQH, pt_RM, length_R, *,
     with jax.default_matmul_precision(matmul_precision(dtype).name.lower()):
         out = paged_attention(q, arenas_k[0], arenas_v[0], pt_RM, length_R,
                               k_splits=k_splits, pages_per_compute_block=per_block,
-                              interpret=interpret)
+                              interpret=interpret, **extra)
     return out.reshape(q_RQH.shape[0], -1).astype(q_RQH.dtype)
 
 
@@ -292,11 +465,13 @@ class PrefillAccess:
     prefix_R: jax.Array
 
     def update(self, pool: KVPool, li: int, q, k, v, pos_RT):
-        ks = write_tokens(pool.k[li], self.page_RT, self.off_RT, k)
-        vs = write_tokens(pool.v[li], self.page_RT, self.off_RT, v)
+        ks, vs, ksc, vsc = pool.layer(li)
+        ks, ksc = write_tokens_q(ks, ksc, self.page_RT, self.off_RT, k)
+        vs, vsc = write_tokens_q(vs, vsc, self.page_RT, self.off_RT, v)
         kv_len = self.pt_RM.shape[1] * ks[0].shape[2]
         mask = attention_mask(pos_RT, self.prefix_R, kv_len)
-        return _replace_layer(pool, li, ks, vs), prefill_attend(ks, vs, q, self.pt_RM, mask)
+        return (_replace_layer(pool, li, ks, vs, ksc, vsc),
+                prefill_attend(ks, vs, q, self.pt_RM, mask, ksc, vsc))
 
 
 @flax.struct.dataclass
@@ -315,27 +490,38 @@ class DecodeAccess:
     attend: str = flax.struct.field(pytree_node=False, default="xla")
 
     def update(self, pool: KVPool, li: int, q, k, v, pos_RT):
+        ks, vs, ksc, vsc = pool.layer(li)
         if self.attend.startswith("pallas"):   # GPU: one scatter per arena (one kernel)
-            ks = write_tokens(pool.k[li], self.page_R, self.off_R, k[:, 0])
-            vs = write_tokens(pool.v[li], self.page_R, self.off_R, v[:, 0])
+            ks, ksc = write_tokens_q(ks, ksc, self.page_R, self.off_R, k[:, 0])
+            vs, vsc = write_tokens_q(vs, vsc, self.page_R, self.off_R, v[:, 0])
+        elif ksc is None:
+            ks, vs = write_rows(ks, vs, self.page_R, self.off_R, k[:, 0], v[:, 0])
         else:
-            ks, vs = write_rows(pool.k[li], pool.v[li], self.page_R, self.off_R, k[:, 0],
-                                v[:, 0])
+            ks, vs, ksc, vsc = write_rows(ks, vs, self.page_R, self.off_R, k[:, 0], v[:, 0],
+                                          ksc, vsc)
         if self.attend == "xla":
-            a = decode_attend(ks, vs, q[:, 0], self.owner_P, self.count_P, self.pt_RM)
+            a = decode_attend(ks, vs, q[:, 0], self.owner_P, self.count_P, self.pt_RM,
+                              ksc, vsc)
         elif self.attend == "cpu-kernel":
             if len(ks) != 1:
                 raise ValueError("the CPU paged-attention kernel reads a single-arena pool")
-            a = cpukernel.attend(ks[0], vs[0], q[:, 0], self.pt_RM, self.length_R)
+            a = cpukernel.attend(ks[0], vs[0], q[:, 0], self.pt_RM, self.length_R,
+                                 None if ksc is None else ksc[0],
+                                 None if vsc is None else vsc[0])
             a = a.reshape(a.shape[0], -1)
         else:
             a = kernel_attend(ks, vs, q[:, 0], self.pt_RM, self.length_R,
-                              interpret=self.attend == "pallas-interpret")
-        return _replace_layer(pool, li, ks, vs), a[:, None]
+                              interpret=self.attend == "pallas-interpret",
+                              scales_k=ksc, scales_v=vsc)
+        return _replace_layer(pool, li, ks, vs, ksc, vsc), a[:, None]
 
 
-def _replace_layer(pool: KVPool, li: int, ks: tuple, vs: tuple) -> KVPool:
-    return KVPool(pool.k[:li] + (ks,) + pool.k[li + 1:], pool.v[:li] + (vs,) + pool.v[li + 1:])
+def _replace_layer(pool: KVPool, li: int, ks: tuple, vs: tuple, ksc=None, vsc=None) -> KVPool:
+    def put(arrays, x):
+        return arrays[:li] + (x,) + arrays[li + 1:]
+    if ksc is None:
+        return KVPool(put(pool.k, ks), put(pool.v, vs))
+    return KVPool(put(pool.k, ks), put(pool.v, vs), put(pool.ks, ksc), put(pool.vs, vsc))
 
 
 def attention_mask(pos_RT, prefix_R, kv_len: int):

@@ -11,6 +11,10 @@ Default pool (`kv_cache_tokens=None`):
   memory by default; `XLA_PYTHON_CLIENT_MEM_FRACTION` changes that share (see README).
 - CPU: enough for `max_batch_size` sequences at full context plus four cached image
   prefixes, capped at a quarter of the free host memory (and at 4 GiB).
+
+An 8-bit pool (`kv_dtype`, `kvpool.QUANTIZED`) costs its code bytes plus a float32 scale per
+(kv head, position): 68 bytes per head and position at head dim 64 against 128 in bfloat16,
+so the same bytes hold 1.88x the positions (3.76x against float32).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import jax
 import numpy as np
 
 from .config import MoondreamConfig
-from .dtypes import jnp_dtype
+from .dtypes import canonical
 from .meta import Arenas
 from .pages import pages_for
 
@@ -41,10 +45,12 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def bytes_per_token(cfg: MoondreamConfig, dtype=None) -> int:
-    """K + V of one position over every layer."""
-    t = cfg.text
-    return 2 * t.n_layers * t.n_kv_heads * t.head_dim * jnp_dtype(dtype or cfg.dtype).itemsize
+def bytes_per_token(cfg: MoondreamConfig, dtype=None, kv_dtype=None) -> int:
+    """K + V of one position over every layer (`kv_dtype` an 8-bit format: codes and
+    scales; None: the pool in the model's dtype)."""
+    from .kvpool import position_bytes
+
+    return position_bytes(cfg.text, kv_dtype or canonical(dtype or cfg.dtype))
 
 
 def weight_bytes(cfg: MoondreamConfig, dtype=None) -> int:
@@ -58,7 +64,6 @@ def slot_bytes(cfg: MoondreamConfig, max_batch_size: int, dtype=None) -> int:
     """The engine's device state besides the pool (`step.DeviceState`): two slots (logits
     f32, hidden, sampled ids/values), the pending inputs and the constraint table, from
     abstract shapes."""
-    from .dtypes import canonical
     from .step import DeviceState
 
     state = DeviceState.abstract(cfg.with_dtype(canonical(dtype or cfg.dtype)),
@@ -125,13 +130,14 @@ def device_free(device) -> int | None:
 
 def plan(cfg: MoondreamConfig, *, platform: str, max_batch_size: int, max_context: int,
          page_size: int, kv_cache_tokens: int | None = None, free: int | None = None,
-         weights_loaded: bool = False, dtype=None, sweep: bool | None = None) -> MemoryPlan:
+         weights_loaded: bool = False, dtype=None, sweep: bool | None = None,
+         kv_dtype: str | None = None) -> MemoryPlan:
     """The memory plan of a model on a device with `free` bytes available (None: unknown).
     `weights_loaded`: `free` was measured after the weights were placed.  `sweep`: the
     decode attention is the XLA sweep (several arenas; default on CPU) rather than the
-    Pallas kernel (one arena)."""
+    Pallas kernel (one arena).  `kv_dtype`: an 8-bit pool (None: the model's dtype)."""
     dtype = dtype or cfg.dtype
-    per_tok = bytes_per_token(cfg, dtype)
+    per_tok = bytes_per_token(cfg, dtype, kv_dtype)
     weights = weight_bytes(cfg, dtype)
     slots = slot_bytes(cfg, max_batch_size, dtype)
     work = workspace_bytes(cfg, dtype)

@@ -89,23 +89,28 @@ class DeviceState:
 
     @classmethod
     def init(cls, cfg: MoondreamConfig, *, arena_sizes: tuple, page_size: int,
-             max_batch_size: int, device=None) -> "DeviceState":
+             max_batch_size: int, device=None, kv_dtype: str | None = None) -> "DeviceState":
         """Zeroed buffers, committed to `device` (a program first called with uncommitted
-        arrays compiles again for the committed ones its outputs are)."""
+        arrays compiles again for the committed ones its outputs are).  `kv_dtype`: an 8-bit
+        pool (`kvpool.QUANTIZED`), None = the model's dtype."""
         with jax.default_device(device):
-            state = cls._build(cfg, arena_sizes, page_size, max_batch_size)
+            state = cls._build(cfg, arena_sizes, page_size, max_batch_size, kv_dtype,
+                               None if device is None else device.platform)
             return jax.device_put(state, device)
 
     @classmethod
     def abstract(cls, cfg: MoondreamConfig, *, arena_sizes: tuple, page_size: int,
-                 max_batch_size: int) -> "DeviceState":
+                 max_batch_size: int, kv_dtype: str | None = None,
+                 platform: str | None = None) -> "DeviceState":
         """The same state as shapes and dtypes only (nothing allocated): for compiling and
-        for memory accounting."""
-        return jax.eval_shape(lambda: cls._build(cfg, arena_sizes, page_size, max_batch_size))
+        for memory accounting (`platform`: whose pool storage, `kvpool.storage_dtype`)."""
+        return jax.eval_shape(lambda: cls._build(cfg, arena_sizes, page_size, max_batch_size,
+                                                 kv_dtype, platform))
 
     @classmethod
-    def _build(cls, cfg, arena_sizes, page_size, max_batch_size):
-        return cls(kvpool.init_pool(cfg.text, tuple(arena_sizes), page_size, cfg.dtype),
+    def _build(cls, cfg, arena_sizes, page_size, max_batch_size, kv_dtype=None, platform=None):
+        return cls(kvpool.init_pool(cfg.text, tuple(arena_sizes), page_size,
+                                    kv_dtype or cfg.dtype, platform),
                    [init_slot(cfg, max_batch_size), init_slot(cfg, max_batch_size)],
                    init_pending(max_batch_size + 1),
                    Tables(**{k: jnp.asarray(v) for k, v in constraints.tables(
@@ -351,18 +356,24 @@ def _write_prefix(cache, k_LPKH, v_LPKH, row):
 
 def _write_prefix_pages(pool: KVPool, k_LSKH, v_LSKH, page_S, off_S) -> KVPool:
     """An image prefix's dense K/V ([L, S, K, H] each) into pool pages, position s at
-    (page_S[s], off_S[s])."""
-    return KVPool(tuple(kvpool.write_tokens(a, page_S, off_S, k_LSKH[li])
-                        for li, a in enumerate(pool.k)),
-                  tuple(kvpool.write_tokens(a, page_S, off_S, v_LSKH[li])
-                        for li, a in enumerate(pool.v)))
+    (page_S[s], off_S[s]); an 8-bit pool quantizes them here (once: cache hits copy or share
+    the pages)."""
+    parts = ([], [], [], [])
+    for li in range(len(pool.k)):
+        k, v, ks, vs = pool.layer(li)
+        k, ks = kvpool.write_tokens_q(k, ks, page_S, off_S, k_LSKH[li])
+        v, vs = kvpool.write_tokens_q(v, vs, page_S, off_S, v_LSKH[li])
+        for part, x in zip(parts, (k, v, ks, vs)):
+            part.append(x)
+    return KVPool(*(tuple(p) for p in (parts if pool.quantized else parts[:2])))
 
 
 def _copy_pages(pool: KVPool, src_N, dst_N) -> KVPool:
-    """Whole pages src_N[i] -> dst_N[i] in every layer (a prefix-cache hit)."""
+    """Whole pages src_N[i] -> dst_N[i] in every layer (a prefix-cache hit), with their
+    scales in an 8-bit pool."""
     def copy(arenas):
         return kvpool.write_pages(arenas, dst_N, kvpool.gather_pages(arenas, src_N))
-    return KVPool(tuple(copy(a) for a in pool.k), tuple(copy(a) for a in pool.v))
+    return KVPool(*(tuple(copy(a) for a in part) for part in pool._parts()))
 
 
 @dataclass(frozen=True)
