@@ -18,7 +18,7 @@ One JSON line per (model, batch), kind "gpu":
   bubble_blocking, bubble_pipelined   1 - loop tok/s / ceiling tok/s: the share of each
                         loop's step in which the device waits for the host
 --ceiling-only skips the engine loops; --md3-only / --no-md3 pick the rows; --md3-loops runs
-the engine loops for Moondream 3 too.  The pool is sized to what the run needs.  --trace DIR writes a 5-step `jax.profiler` trace of
+the engine loops for Moondream 3 too; --kv-dtype int8 / float8_e4m3fn stores K/V in 8 bits.  The pool is sized to what the run needs.  --trace DIR writes a 5-step `jax.profiler` trace of
 the ceiling under DIR.  The Moondream 3 row (random weights at full shape, ceiling only)
 uses fewer layers if the full model does not fit the device, and says how many.
 
@@ -36,7 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (CONFIGS, build_model, ceiling_run, decode_cost, env_info,  # noqa: E402
-                    measure)
+                    kv_dtype_of, measure)
 
 MD3_FOR = {"md2": "md3", "small": "small_md3", "tiny": "small_md3"}
 
@@ -87,6 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ceiling-only", action="store_true")
     ap.add_argument("--no-md3", action="store_true", help="skip the Moondream 3 row")
     ap.add_argument("--md3-only", action="store_true", help="only the Moondream 3 row")
+    ap.add_argument("--kv-dtype", default=None, choices=["int8", "float8_e4m3fn"],
+                    help="an 8-bit KV pool (default: the model's dtype)")
     ap.add_argument("--md3-loops", action="store_true",
                     help="the engine loops for Moondream 3 too (default: its ceiling only)")
     ap.add_argument("--trace", metavar="DIR", help="write a 5-step profiler trace here")
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
                                 "full model does not fit this device"}
             CONFIGS[config + "_fit"] = lambda cfg=cfg: cfg
             config = config + "_fit"
-        model = build_model(config)
+        model = build_model(config, kv_dtype=args.kv_dtype)
         prompt = max(1, args.position - model.cfg.prefix_len)
         for batch in args.batch:
             t0 = time.perf_counter()
@@ -128,7 +130,8 @@ def main(argv=None) -> int:
                 row = measure(model, config, batch, args.steps, "gpu", args.reps,
                               prompt_tokens=prompt)
             cost = decode_cost(model.cfg, batch, model.cfg.prefix_len + prompt + args.steps // 2,
-                               platform_=jax.devices()[0].platform, attention=model.attention)
+                               platform_=jax.devices()[0].platform, attention=model.attention,
+                               kv_dtype=kv_dtype_of(model))
             row.update({k: cost[k] for k in ("bytes_accessed", "floor_bytes", "weights_bytes",
                                              "attended_kv_bytes")})
             row.update(floor_fields(cost, row["device_ms"], args.bandwidth))
@@ -143,6 +146,7 @@ def main(argv=None) -> int:
                                      prompt)
             print(json.dumps({**row, "kind": "gpu", "config": config.removesuffix("_fit"),
                               "batch": batch, "first_position": model.cfg.prefix_len + prompt,
+                              "kv_dtype": kv_dtype_of(model) or model.cfg.dtype,
                               **note, "seconds": round(time.perf_counter() - t0, 1),
                               "total_seconds": round(time.perf_counter() - t_start, 1),
                               **env_info()}), flush=True)

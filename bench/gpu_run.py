@@ -26,10 +26,12 @@ that overruns is killed and the next one starts:
   caption  photon-caption images/s at full size, 24 mixed-size images (`bench/caption.py`)
   md3      Moondream 3 at full size (bf16), batch 1 and 32, every loop, the pool sized to
            the run (`bench/gpu_md2.py --md3-only --md3-loops`)
+  md2_fp8  the md2 step with float8_e4m3fn K/V (`--kv-dtype`), on whatever time the steps
+           above left
 
 Every step shares one persistent compile cache (`--work`/xla).  Output folder (`--out`,
 default $OUT): `summary.jsonl`, one line per step (status, seconds, allotment, and the
-step's JSON results), and `NN-STEP.log`, the step's whole output: 7 files, within the 8 the
+step's JSON results), and `NN-STEP.log`, the step's whole output: 8 files, the most the
 device machine returns.
 """
 
@@ -54,6 +56,8 @@ STEPS = [
     ("md2", 150, 240, "Moondream 2 full size, batch 1/8/32: loops, floor, bubble"),
     ("caption", 100, 240, "photon-caption images/s at full size, 24 images"),
     ("md3", 30, 240, "Moondream 3 full size, batch 1/32, pool sized to the run"),
+    # No time of its own: it runs on what the steps above left of the budget.
+    ("md2_fp8", 0, 240, "Moondream 2 full size, batch 1/8/32, float8 K/V (if time is left)"),
 ]
 BUDGET_S = 480
 
@@ -210,8 +214,16 @@ def step_md3(smoke: bool, work: str) -> None:
            ["--md3-only", "--md3-loops", "--batch", "1", "32", "--steps", "16"])
 
 
+def step_md2_fp8(smoke: bool, work: str) -> None:
+    _bench("gpu_md2.py", ["--config", "tiny", "--batch", "2", "--steps", "2", "--position",
+                          "760", "--no-md3", "--kv-dtype", "float8_e4m3fn"] if smoke else
+           ["--batch", "1", "8", "32", "--steps", "32", "--no-md3",
+            "--kv-dtype", "float8_e4m3fn"])
+
+
 CHILD = {"env": step_env, "kernels": step_kernels, "engine": step_engine, "md2": step_md2,
-         "caption": step_caption, "md3": step_md3}
+         "caption": step_caption, "md3": step_md3,
+         "md2_fp8": step_md2_fp8}
 
 
 # -- the parent: budget, processes, files ---------------------------------------------------

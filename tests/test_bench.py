@@ -61,10 +61,10 @@ def test_gpu_run_smoke_runs_every_step_on_cpu(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
     assert [(x["step"], x["status"]) for x in rows] == [
-        (s, "ok") for s in ("env", "kernels", "engine", "md2", "caption", "md3")]
+        (s, "ok") for s in ("env", "kernels", "engine", "md2", "caption", "md3", "md2_fp8")]
     assert sorted(os.listdir(out)) == ["01-env.log", "02-kernels.log", "03-engine.log",
                                        "04-md2.log", "05-caption.log", "06-md3.log",
-                                       "summary.jsonl"]   # within the 8 files a device returns
+                                       "07-md2_fp8.log", "summary.jsonl"]   # a device returns 8
     res = {x["step"]: x["results"] for x in rows}
     env = res["env"][0]
     assert env["backend"] == "cpu" and env["gpu_rules_emulated"]
@@ -78,9 +78,12 @@ def test_gpu_run_smoke_runs_every_step_on_cpu(tmp_path):
         assert key in md2
     assert md3["ceiling_tok_s"] > 0 and md3["first_position"] == 760
     assert [c["pass"] for c in res["caption"]] == ["cold", "warm"]
+    fp8 = res["md2_fp8"][-1]
+    assert fp8["kv_dtype"] == "float8_e4m3fn" and md2["kv_dtype"] == "float32"
+    assert fp8["floor_bytes"] < md2["floor_bytes"]
     # Each step reports its share of the budget as it ends.
-    assert len(re.findall(r"^\[\d/6 \w+\] ok in [\d.]+ s \(allotted \d+ s, limit \d+ s\); "
-                          r"run \d+:\d\d of \d+:\d\d$", r.stdout, re.M)) == 6
+    assert len(re.findall(r"^\[\d/7 \w+\] ok in [\d.]+ s \(allotted \d+ s, limit \d+ s\); "
+                          r"run \d+:\d\d of \d+:\d\d$", r.stdout, re.M)) == 7
 
 
 def test_gpu_run_dry_run_prints_the_plan():
@@ -89,9 +92,9 @@ def test_gpu_run_dry_run_prints_the_plan():
     assert r.returncode == 0
     lines = r.stdout.splitlines()
     assert "budget 480 s" in lines[0]
-    assert [ln.split()[1] for ln in lines[1:7]] == ["env", "kernels", "engine", "md2",
-                                                   "caption", "md3"]
-    assert sum(int(ln.split()[2]) for ln in lines[1:7]) <= 480
+    assert [ln.split()[1] for ln in lines[1:8]] == ["env", "kernels", "engine", "md2",
+                                                   "caption", "md3", "md2_fp8"]
+    assert sum(int(ln.split()[2]) for ln in lines[1:8]) <= 480
 
 
 def test_gpu_compile_script_lowers_every_program_without_the_cuda_plugin():
