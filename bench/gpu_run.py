@@ -14,8 +14,8 @@ plus what earlier steps left unused, never past the run's budget, 480 s by defau
 that overruns is killed and the next one starts:
 
   env      versions, devices, memory, the private JAX APIs photon_jax relies on (`compat`)
-  kernels  the Pallas kernel tests on the real GPU (tests/test_pool.py and
-           tests/test_gpu_lowering.py, -k "gpu_lowering or pallas")
+  kernels  the Pallas kernel tests on the real GPU (tests/test_pool.py,
+           tests/test_gpu_lowering.py and the 8-bit ones of tests/test_kv8.py)
   engine   the engine end to end on the tiny fixture (float32) with the host-sync detector
            on top of the engine's transfer guard: every public surface
            (`tests/helpers.surfaces`) on the GPU, pipelined and blocking, against the same
@@ -130,7 +130,8 @@ def step_kernels(smoke: bool, work: str) -> None:
     # addopts cleared: the project's "-n 2" needs pytest-xdist, and one process is what a
     # single GPU wants.  The smoke run only collects (the suite runs these tests itself).
     cmd = [sys.executable, "-m", "pytest", "tests/test_pool.py", "tests/test_gpu_lowering.py",
-           "-k", "gpu_lowering or pallas", "-o", "addopts=", "-q", "-rfE",
+           "tests/test_kv8.py", "-k", "gpu_lowering or pallas or decode_paths or lowers_for_cuda",
+           "-o", "addopts=", "-q", "-rfEs",
            "-p", "no:cacheprovider"] + (["--collect-only"] if smoke else [])
     code, last = _stream(cmd)
     emit(step="kernels", exit_code=code, pytest=last, collect_only=smoke)

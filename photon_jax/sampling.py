@@ -57,7 +57,10 @@ def _top_p_draw(logits_V, temperature, top_p, key, candidates: int):
 
 
 def id_noise(key, ids):
-    """Standard Gumbel noise of each token id in `ids` for this key (module docstring)."""
+    """Standard Gumbel noise of each token id in `ids` for this row's key: `gumbel(fold_in(key,
+    id))`, a value that depends on the id alone, not on where it stands among the candidates.
+    It costs more than one noise vector over the sorted candidates: a 32-row top-p draw over
+    32768 ids took 9.8-11.8 ms against 6.8-8.1 on this CPU (greedy steps do not draw)."""
     return jax.vmap(lambda i: jax.random.gumbel(jax.random.fold_in(key, i), dtype=F32))(ids)
 
 

@@ -104,3 +104,18 @@ def test_a_draw_survives_near_ties_swapping_places():
         return np.asarray(jax.jit(jax.vmap(one))(jnp.asarray(lg), keys))
 
     assert (by_position(logits) != by_position(swapped)).sum() > r // 20
+
+
+def test_draws_follow_the_kept_distribution():
+    """Frequencies over 4096 seeds match the top-p renormalised probabilities (a wrong noise
+    transform, e.g. exponential instead of Gumbel, biases them far beyond this bound)."""
+    p = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32)
+    n = 4096
+    logits = jnp.asarray(np.tile(np.log(p), (n, 1)))
+    one = jnp.ones(n, jnp.float32)
+    got = np.asarray(jax.jit(lambda lg: sampling.draw(lg, one, one * 0.75, jnp.arange(n),
+                                                      jnp.zeros(n, jnp.int32), 6))(logits))
+    kept = p[:3] / p[:3].sum()   # cumulative mass before token 3 is 0.8 > 0.75
+    freq = np.bincount(got, minlength=6) / n
+    assert freq[3:].sum() == 0
+    assert np.abs(freq[:3] - kept).max() < 0.03, freq
