@@ -12,7 +12,8 @@ worse, computing something else.  The README's "JAX versions" note lists the sam
 | `jax._src.config.transfer_guard_device_to_host` | `hostsync` | the device-to-host guard level in force |
 | `jax._src.lib.guard_lib.thread_local_state().explicit_device_get` | `hostsync` | telling `jax.device_get` (explicit) from implicit reads |
 | `jax.experimental.pallas.ops.gpu.paged_attention.paged_attention` | `kvpool` (GPU decode) | the paged-attention kernel |
-| `jax.experimental.topologies.get_topology_desc` | `bench/gpu_compile.py` | deviceless H200 compiles |
+| `jax.experimental.pallas` and `jax.experimental.pallas.tpu` (`pallas_call`, `BlockSpec`, `ANY`, `PrefetchScalarGridSpec`, `VMEM`, `SMEM`, `SemaphoreType`, `make_async_copy`, `CompilerParams`, `InterpretParams`) | `tpu_attention` (TPU decode) | the TPU paged-attention kernel |
+| `jax.experimental.topologies.get_topology_desc` | `bench/gpu_compile.py`, `bench/tpu_compile.py` | deviceless H200 and TPU compiles |
 
 (`jax.ffi`, used by the CPU kernels, is public API.)
 """
@@ -96,6 +97,28 @@ def pallas_gpu_paged_attention(quantized: bool = False):
                     + ", ".join(want) + ")",
                     f"the kernel's signature; this one is ({', '.join(params)})")
     return paged_attention
+
+
+_PALLAS_TPU_NAMES = (("pl", ("pallas_call", "BlockSpec", "ANY", "program_id", "when")),
+                     ("pltpu", ("PrefetchScalarGridSpec", "VMEM", "SMEM", "SemaphoreType",
+                                "make_async_copy", "CompilerParams", "InterpretParams")))
+
+
+def pallas_tpu():
+    """(pallas, pallas.tpu): JAX's Pallas and its TPU (Mosaic) module, checked for the names
+    `tpu_attention` uses."""
+    try:
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import tpu as pltpu
+    except ImportError as e:
+        raise _fail("jax.experimental.pallas.tpu", "the Pallas TPU (Mosaic) kernels") from e
+    mods = {"pl": pl, "pltpu": pltpu}
+    for mod, names in _PALLAS_TPU_NAMES:
+        missing = [n for n in names if not hasattr(mods[mod], n)]
+        if missing:
+            raise _fail("jax.experimental.pallas" + (".tpu" if mod == "pltpu" else "") + "."
+                        + ", ".join(missing), "names the TPU paged-attention kernel uses")
+    return pl, pltpu
 
 
 def topology_desc(**kwargs):

@@ -108,7 +108,7 @@ class Engine:
                              f"{cfg.text.max_context}], got {max_context!r}")
         if page_size not in (16, 32, 64, 128, 256):
             raise ValueError(f"page_size must be 16, 32, 64, 128 or 256, got {page_size!r}")
-        if model.attention.startswith("pallas"):   # the GPU kernel loads a page at least
+        if model.attention in ("pallas", "pallas-interpret"):   # the GPU kernel loads a page
             most = kvpool.kernel_max_positions(cfg.dtype, cfg.text.head_dim)
             if page_size > most:
                 raise ValueError(
@@ -132,7 +132,9 @@ class Engine:
         self.dev = step_mod.DeviceState.init(cfg, arena_sizes=self.arenas.sizes,
                                              page_size=page_size,
                                              max_batch_size=max_batch_size, device=self.device,
-                                             kv_dtype=self.kv_dtype)
+                                             kv_dtype=self.kv_dtype,
+                                             pack=kvpool.pack_for(model.attention,
+                                                                  cfg.text.head_dim))
         self.sched = Scheduler(max_batch_size=max_batch_size, n_pages=self.arenas.n_pages,
                                page_size=page_size, prefix_len=cfg.prefix_len,
                                prefill_tokens=prefill_tokens, prefix_cache=prefix_cache,

@@ -46,6 +46,14 @@ prefill multiplies the gathered codes by their scales.  e4m3 codes are stored as
 bytes (uint8) on CPU, typed float8 elsewhere (`storage_dtype`: XLA:CPU emulates float8 by
 converting whole operands).
 
+TPU layout (`pack` > 1, the "pallas-tpu" attention).  A TPU tiles the last two dims of an
+array by (sublanes, 128 lanes), and a [K, P, T, 64] pool fits its tiles badly (see
+`tpu_attention`), so the pool that attention reads puts `pack` = 128 // H kv heads side by
+side: [ceil(K / pack), P, T, pack * H], head j*pack + s in lanes [s*H, (s+1)*H) of row j.
+The writes pack the heads (`tpu_attention.pack_heads`), the prefill gather unpacks them,
+and page copies move whole rows either way.  The layout follows the attention (`pack_for`),
+not the platform, so the Pallas interpreter runs it on CPU in the tests.
+
 Shapes use the axis letters of docs/architecture.md (in the repository); P pages, T positions in a page, M pages
 in a row's page table.
 """
@@ -56,7 +64,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from . import compat, cpukernel
+from . import compat, cpukernel, tpu_attention
 from .config import TextConfig
 from .dtypes import F32, jnp_dtype, matmul_precision
 from .layers import attention
@@ -188,7 +196,20 @@ class KVPool:
         return self.k[li], self.v[li], None, None
 
 
-def arena_shape(cfg: TextConfig, pages: int, page_size: int):
+# The decode attentions that read the TPU layout (`tpu_attention`).
+TPU_ATTENTION = ("pallas-tpu", "pallas-tpu-interpret")
+
+
+def pack_for(attention: str, head_dim: int) -> int:
+    """kv heads per pool row for a decode attention: `tpu_attention.pack` for the TPU kernel,
+    1 (the [K, P, T, H] layout) for every other."""
+    return tpu_attention.pack(head_dim) if attention in TPU_ATTENTION else 1
+
+
+def arena_shape(cfg: TextConfig, pages: int, page_size: int, pack: int = 1):
+    if pack > 1:
+        rows, lanes = tpu_attention.packed_heads(cfg.n_kv_heads, cfg.head_dim)
+        return (rows, pages, page_size, lanes)
     return (cfg.n_kv_heads, pages, page_size, cfg.head_dim)
 
 
@@ -197,19 +218,24 @@ def _pool_dtype(dtype, platform=None):
 
 
 def abstract_pool(cfg: TextConfig, arena_sizes: tuple, page_size: int, dtype,
-                  platform: str | None = None) -> KVPool:
+                  platform: str | None = None, pack: int = 1) -> KVPool:
     """`dtype`: the model's dtype (unquantized) or an 8-bit format of `QUANTIZED`."""
-    return jax.eval_shape(lambda: init_pool(cfg, arena_sizes, page_size, dtype, platform))
+    return jax.eval_shape(lambda: init_pool(cfg, arena_sizes, page_size, dtype, platform,
+                                            pack))
 
 
 def init_pool(cfg: TextConfig, arena_sizes: tuple, page_size: int, dtype,
-              platform: str | None = None) -> KVPool:
+              platform: str | None = None, pack: int = 1) -> KVPool:
     """Zeroed pool; `dtype` an 8-bit format of `QUANTIZED` adds the scale arrays (ones),
-    its codes stored as `storage_dtype` gives for `platform` (None: JAX's default)."""
+    its codes stored as `storage_dtype` gives for `platform` (None: JAX's default).
+    `pack` > 1: the TPU layout (`pack_for`), unquantized only."""
     dt = _pool_dtype(dtype, platform)
+    if pack > 1 and dtype in QUANTIZED:
+        raise ValueError(f"kv_dtype={dtype!r}: the TPU paged-attention kernel reads "
+                         "unquantized pools only (pass kv_dtype=None, or attention='xla')")
 
     def layer():
-        return tuple(jnp.zeros(arena_shape(cfg, n, page_size), dt) for n in arena_sizes)
+        return tuple(jnp.zeros(arena_shape(cfg, n, page_size, pack), dt) for n in arena_sizes)
 
     def scales():
         return tuple(jnp.ones(arena_shape(cfg, n, page_size)[:3], F32) for n in arena_sizes)
@@ -255,6 +281,8 @@ def write_tokens(arenas: tuple, page_X, off_X, x_XKH) -> tuple:
     donation.  Each arena takes the writes of its own pages.  (Also writes scales: arenas
     [K, Pa, T] and x [X..., K].)"""
     head_axis = -2 if arenas[0].ndim == 4 else -1
+    if arenas[0].ndim == 4 and arenas[0].shape[-1] != x_XKH.shape[-1]:   # the TPU layout
+        x_XKH = tpu_attention.pack_heads(x_XKH, arenas[0].shape[-1])
     upd = jnp.moveaxis(x_XKH, head_axis, 0)               # [K, X..., H]
     return tuple(a.at[:, _local(st, n, page_X), off_X].set(as_storage(upd, a.dtype), mode="drop")
                  for a, (st, n) in zip(arenas, _spans(arenas)))
@@ -324,14 +352,18 @@ def write_pages(arenas: tuple, page_N, blocks_KNTH) -> tuple:
 # -- attention ------------------------------------------------------------------------------
 
 def prefill_attend(arenas_k: tuple, arenas_v: tuple, q_RTQH, pt_RM, mask_RTS,
-                   scales_k=None, scales_v=None):
+                   scales_k=None, scales_v=None, n_kv: int | None = None):
     """Prompt queries against their rows' pages (gathered contiguous), masked by positions.
-    An 8-bit pool's gathered codes are dequantized by their scales."""
+    An 8-bit pool's gathered codes are dequantized by their scales.  `n_kv`: the kv heads
+    (needed by the TPU layout, whose rows hold several)."""
     r, m = pt_RM.shape
     kv_len = m * arenas_k[0].shape[2]
+    h = q_RTQH.shape[-1]
 
     def view(arenas, scales):   # [K, R, M, T, H] -> [R, S, K, H]
         g = gather_pages(arenas, pt_RM)
+        if g.shape[-1] != h:   # the TPU layout: heads side by side in a row
+            g = tpu_attention.unpack_heads(g, n_kv, h)
         if scales is not None:
             g = dequantize(g, gather_pages(scales, pt_RM))
         return g.transpose(1, 2, 3, 0, 4).reshape(r, kv_len, g.shape[0], g.shape[-1])
@@ -471,15 +503,16 @@ class PrefillAccess:
         kv_len = self.pt_RM.shape[1] * ks[0].shape[2]
         mask = attention_mask(pos_RT, self.prefix_R, kv_len)
         return (_replace_layer(pool, li, ks, vs, ksc, vsc),
-                prefill_attend(ks, vs, q, self.pt_RM, mask, ksc, vsc))
+                prefill_attend(ks, vs, q, self.pt_RM, mask, ksc, vsc, n_kv=k.shape[-2]))
 
 
 @flax.struct.dataclass
 class DecodeAccess:
     """One new position per row; attention over the pages of the arenas given, by `attend`
     (`step.ATTENTION`): "xla" (the sweep, any backend), "cpu-kernel" (`cpukernel`:
-    XLA:CPU), "pallas" (JAX's Pallas GPU kernel) or "pallas-interpret" (the same run on CPU:
-    tests).  The kernels read one arena through the rows' page tables and lengths; the sweep
+    XLA:CPU), "pallas" (JAX's Pallas GPU kernel), "pallas-tpu" (`tpu_attention`, over the
+    TPU layout) or "pallas-interpret" / "pallas-tpu-interpret" (the same run by the Pallas
+    interpreter on CPU: tests).  The kernels read one arena through the rows' page tables and lengths; the sweep
     reads every page of the arenas given, with owner_P / count_P."""
     page_R: jax.Array
     off_R: jax.Array
@@ -491,7 +524,7 @@ class DecodeAccess:
 
     def update(self, pool: KVPool, li: int, q, k, v, pos_RT):
         ks, vs, ksc, vsc = pool.layer(li)
-        if self.attend.startswith("pallas"):   # GPU: one scatter per arena (one kernel)
+        if self.attend.startswith("pallas"):   # GPU, TPU: one scatter per arena (one kernel)
             ks, ksc = write_tokens_q(ks, ksc, self.page_R, self.off_R, k[:, 0])
             vs, vsc = write_tokens_q(vs, vsc, self.page_R, self.off_R, v[:, 0])
         elif ksc is None:
@@ -509,6 +542,13 @@ class DecodeAccess:
                                  None if ksc is None else ksc[0],
                                  None if vsc is None else vsc[0])
             a = a.reshape(a.shape[0], -1)
+        elif self.attend in TPU_ATTENTION:
+            if len(ks) != 1 or ksc is not None:
+                raise ValueError("the TPU paged-attention kernel reads a single-arena, "
+                                 "unquantized pool")
+            a = tpu_attention.attend(ks[0], vs[0], q[:, 0], self.pt_RM, self.length_R,
+                                     n_kv_heads=k.shape[-2],
+                                     interpret=self.attend == "pallas-tpu-interpret")
         else:
             a = kernel_attend(ks, vs, q[:, 0], self.pt_RM, self.length_R,
                               interpret=self.attend == "pallas-interpret",

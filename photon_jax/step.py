@@ -14,8 +14,9 @@ benchmark (a static trip count: no host round trip on any backend).
 
 `attention` selects the decode attention: "xla" (the in-place sweep of `kvpool`, every
 backend), "cpu-kernel" (our C++ paged-attention kernel through the XLA FFI: `cpukernel`),
-"pallas" (JAX's Pallas GPU paged-attention kernel) or "pallas-interpret" (the same kernel run
-by the Pallas interpreter: tests on CPU).
+"pallas" (JAX's Pallas GPU paged-attention kernel), "pallas-tpu" (our Pallas TPU kernel,
+`tpu_attention`, over the pool's TPU layout) or "pallas-interpret" / "pallas-tpu-interpret"
+(the same kernels run by the Pallas interpreter: tests on CPU).
 
 Input kinds of a decode row (`kind_R`): 0 = token id, 1 = coordinate value, 2 = size value.
 Detect/point feed region values back as embeddings, so one decode program serves text and
@@ -89,28 +90,31 @@ class DeviceState:
 
     @classmethod
     def init(cls, cfg: MoondreamConfig, *, arena_sizes: tuple, page_size: int,
-             max_batch_size: int, device=None, kv_dtype: str | None = None) -> "DeviceState":
+             max_batch_size: int, device=None, kv_dtype: str | None = None,
+             pack: int = 1) -> "DeviceState":
         """Zeroed buffers, committed to `device` (a program first called with uncommitted
         arrays compiles again for the committed ones its outputs are).  `kv_dtype`: an 8-bit
-        pool (`kvpool.QUANTIZED`), None = the model's dtype."""
+        pool (`kvpool.QUANTIZED`), None = the model's dtype.  `pack`: the pool's layout
+        (`kvpool.pack_for` the decode attention; 1: [K, P, T, H])."""
         with jax.default_device(device):
             state = cls._build(cfg, arena_sizes, page_size, max_batch_size, kv_dtype,
-                               None if device is None else device.platform)
+                               None if device is None else device.platform, pack)
             return jax.device_put(state, device)
 
     @classmethod
     def abstract(cls, cfg: MoondreamConfig, *, arena_sizes: tuple, page_size: int,
                  max_batch_size: int, kv_dtype: str | None = None,
-                 platform: str | None = None) -> "DeviceState":
+                 platform: str | None = None, pack: int = 1) -> "DeviceState":
         """The same state as shapes and dtypes only (nothing allocated): for compiling and
         for memory accounting (`platform`: whose pool storage, `kvpool.storage_dtype`)."""
         return jax.eval_shape(lambda: cls._build(cfg, arena_sizes, page_size, max_batch_size,
-                                                 kv_dtype, platform))
+                                                 kv_dtype, platform, pack))
 
     @classmethod
-    def _build(cls, cfg, arena_sizes, page_size, max_batch_size, kv_dtype=None, platform=None):
+    def _build(cls, cfg, arena_sizes, page_size, max_batch_size, kv_dtype=None, platform=None,
+               pack=1):
         return cls(kvpool.init_pool(cfg.text, tuple(arena_sizes), page_size,
-                                    kv_dtype or cfg.dtype, platform),
+                                    kv_dtype or cfg.dtype, platform, pack),
                    [init_slot(cfg, max_batch_size), init_slot(cfg, max_batch_size)],
                    init_pending(max_batch_size + 1),
                    Tables(**{k: jnp.asarray(v) for k, v in constraints.tables(
@@ -404,14 +408,18 @@ class Programs:
         return self.sample_step[(stochastic, region)]
 
 
-ATTENTION = ("xla", "cpu-kernel", "pallas", "pallas-interpret")
+ATTENTION = ("xla", "cpu-kernel", "pallas", "pallas-interpret", "pallas-tpu",
+             "pallas-tpu-interpret")
 
 
 def default_attention(platform: str) -> str:
-    """The decode attention a backend gets: the Pallas kernel on GPU; on CPU our C++ kernel
-    (`cpukernel`) when it builds, else the XLA sweep; the XLA sweep elsewhere."""
+    """The decode attention a backend gets: JAX's Pallas kernel on GPU, ours on TPU
+    (`tpu_attention`); on CPU our C++ kernel (`cpukernel`) when it builds, else the XLA
+    sweep; the XLA sweep elsewhere."""
     if platform == "gpu":
         return "pallas"
+    if platform == "tpu":
+        return "pallas-tpu"
     if platform == "cpu":
         return "cpu-kernel" if cpukernel.load() else "xla"
     return "xla"
