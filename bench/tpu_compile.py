@@ -1,0 +1,286 @@
+"""Every serving program compiled for a TPU on a machine without one.
+
+With libtpu installed (`pip install ".[tpu]"`), `jax.experimental.topologies` describes TPU
+chips that are not attached (`TPU_SKIP_MDS_QUERY=1`; "v5e:1x1" is refused, so a one-chip
+program takes one device of a 2x2).  Programs given abstract arguments placed on those
+devices then lower and compile for real: Mosaic compiles the Pallas TPU kernel
+(`tpu_attention`), XLA:TPU the rest, and `memory_analysis()` gives per-chip bytes (the
+compiler refuses a program over HBM).  Nothing runs: no speeds, only whether each program
+compiles, what it needs per chip, and whether its optimized HLO has a `conditional` or a
+`while` of unknown trip count (each one a host round trip).
+
+One JSON line per (model, topology, program), kind "tpu_compile": compiled, argument_bytes,
+output_bytes, temp_bytes, hbm_bytes_per_chip (arguments + outputs - aliased + temporaries +
+code), conditionals, unknown_trip_loops, compile_s, error (when not compiled); and the
+pool `memory.plan` gave for the chip (kv_cache_tokens).  `--cost-model` adds one line per
+(model, chip) of the decode-step byte model (kind "tpu_cost"): weights and KV bytes a step
+reads per chip against the chip's HBM bandwidth, the tokens/s that bound gives.
+
+    pip install ".[tpu]"      # libtpu; keep it out of a CPU/GPU environment
+    TPU_SKIP_MDS_QUERY=1 JAX_PLATFORMS=cpu python bench/tpu_compile.py
+    python bench/tpu_compile.py --lower-only        # no libtpu: tiny config, StableHLO (CI)
+
+(JAX_PLATFORMS=cpu: JAX must not try to open a TPU it does not have; the topology is
+described by libtpu regardless.  Results: bench/README.md.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import CONFIGS, env_info  # noqa: E402
+
+GiB = 1 << 30
+# Per chip: HBM bytes and bandwidth (public figures), and the topology name a one-chip
+# program borrows a device from.
+CHIPS = {"v5e": {"hbm": 16 * GiB, "bw": 819e9, "kind": "TPU v5 lite"},
+         "v6e": {"hbm": 32 * GiB, "bw": 1.6e12, "kind": "TPU v6 lite"}}
+# What `memory.device_free` would read on the chip: assumed 95% of HBM (the TPU runtime
+# keeps some for itself; not measured here, there is no TPU).
+FREE_SHARE = 0.95
+PAGE = 64
+ATTENTION = "pallas-tpu"
+
+
+def devices_of(topology: str):
+    """(chip, devices): "v5e" = one chip (a device of "v5e:2x2"), "v5e:2x2" = all four."""
+    from photon_jax import compat
+
+    chip, _, shape = topology.partition(":")
+    topo = compat.topology_desc(platform="tpu", topology_name=f"{chip}:{shape or '2x2'}")
+    devs = list(topo.devices)
+    return chip, (devs if shape else devs[:1])
+
+
+def audit_counts(hlo_text: str) -> tuple[int, int]:
+    """(conditionals, whiles without a known trip count) of an optimized HLO module (the
+    audit of tests/test_hlo_audit.py)."""
+    cond = loops = 0
+    for line in hlo_text.splitlines():
+        if " conditional(" in line:
+            cond += 1
+        elif " while(" in line and '"known_trip_count"' not in line:
+            loops += 1
+    return cond, loops
+
+
+def lowering_context(chip: str | None):
+    """Pallas's TPU lowering asks the default device's kind; without a TPU attached it is
+    told by an abstract mesh of one described chip."""
+    import jax
+
+    if chip is None:
+        return contextlib.nullcontext()
+    dev = jax.sharding.AbstractDevice(device_kind=CHIPS[chip]["kind"], num_cores=1,
+                                      platform="tpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                    abstract_device=dev))
+
+
+def compile_row(fn, args, devices, chip: str, **fields) -> dict:
+    """Compile `fn` at the abstract `args` for `devices` (None: lower to StableHLO for TPU
+    only, no libtpu); the row to print."""
+    import jax
+
+    row = {"kind": "tpu_compile", **fields}
+    t0 = time.perf_counter()
+    if devices is None:
+        try:
+            with lowering_context(chip):
+                text = fn.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+        except Exception as e:
+            return {**row, "compiled": False, "lower_only": True,
+                    "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        return {**row, "compiled": False, "lower_only": True, "lowered": True,
+                "tpu_kernels": text.count("tpu_custom_call"),
+                "lower_s": round(time.perf_counter() - t0, 1)}
+    if len(devices) != 1:
+        return {**row, "compiled": False,
+                "error": "multi-chip programs need photon_jax's mesh sharding"}
+    sharding = jax.sharding.SingleDeviceSharding(devices[0])
+    placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+                          if hasattr(a, "shape") else a, args)
+    try:
+        with jax.default_device(devices[0]):
+            compiled = fn.trace(*placed).lower().compile()
+    except Exception as e:   # the compiler's verdict is the result
+        return {**row, "compiled": False, "compile_s": round(time.perf_counter() - t0, 1),
+                "error": f"{type(e).__name__}: {str(e)[:400]}"}
+    text = compiled.as_text()
+    m = compiled.memory_analysis()
+    cond, loops = audit_counts(text)
+    hbm = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+           + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
+    return {**row, "compiled": True, "compile_s": round(time.perf_counter() - t0, 1),
+            "argument_bytes": int(m.argument_size_in_bytes),
+            "output_bytes": int(m.output_size_in_bytes),
+            "temp_bytes": int(m.temp_size_in_bytes), "hbm_bytes_per_chip": int(hbm),
+            "hbm_share": round(hbm / CHIPS[chip]["hbm"], 3),
+            "conditionals": cond, "unknown_trip_loops": loops,
+            "tpu_kernels": text.count("tpu_custom_call")}
+
+
+def serving_args(cfg, batch: int, chip: str | None, kv_cache_tokens=None) -> dict:
+    """Abstract arguments (nothing allocated) of the serving programs: params as a loaded
+    model holds them, the device state with the pool `memory.plan` gives for the chip (one
+    arena, the TPU layout), decode metadata per row bucket, sampling rows."""
+    import jax
+    import jax.numpy as jnp
+
+    from photon_jax import kvpool, memory, meta as M, step as step_mod
+    from photon_jax.params import abstract_params
+    from photon_jax.text import unstack_layers
+
+    ctx = cfg.text.max_context
+    free = None if chip is None else int(FREE_SHARE * CHIPS[chip]["hbm"])
+    plan = memory.plan(cfg, platform="tpu", max_batch_size=batch, max_context=ctx,
+                       page_size=PAGE, kv_cache_tokens=kv_cache_tokens, free=free, sweep=False)
+    dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes, page_size=PAGE,
+                                        max_batch_size=batch, platform="tpu",
+                                        pack=kvpool.pack_for(ATTENTION, cfg.text.head_dim))
+    width = -(-ctx // PAGE)
+    return {"plan": plan, "dev": dev,
+            "params": jax.eval_shape(unstack_layers, abstract_params(cfg)),
+            "meta": {r: jax.ShapeDtypeStruct((M.M_TABLE + width, r), jnp.int32)
+                     for r in step_mod.row_buckets(batch)},
+            "owners": jax.ShapeDtypeStruct((2, 1), jnp.int32),
+            "samp": jax.ShapeDtypeStruct((step_mod.S_ALLOW + 1, batch), jnp.int32)}
+
+
+def program_calls(cfg, a: dict, batch: int, grouped: str | None = None):
+    """(name, fields, program, abstract args) of every serving program."""
+    import jax
+    import numpy as np
+    from PIL import Image
+
+    from photon_jax import image as image_mod, meta as M, step as step_mod
+
+    P = step_mod.build_for(cfg, "tpu", ATTENTION)
+    if grouped is not None:   # another MoE prefill schedule (the comparison of moe.py's)
+        P = step_mod.build(cfg, ATTENTION, grouped=grouped,
+                           vision_loop=step_mod.default_vision_loop("tpu"))
+    params, dev = a["params"], a["dev"]
+    for rows, meta in a["meta"].items():
+        yield "forward", {"rows": rows}, P.forward, (params, dev.pool, dev.slots[0],
+                                                    dev.pending, meta, a["owners"])
+    for (stochastic, region), prog in P.sample_step.items():
+        yield (f"sample_step{stochastic, region}", {"rows": batch}, prog,
+               (params, dev.slots[0], dev.pending, dev.tables, a["samp"]))
+    # A prompt of 64 tokens after the image prefix, per prefill row bucket.
+    prompt = 64
+    kv_len = -(-(cfg.prefix_len + prompt) // PAGE) * PAGE
+    for rows in step_mod.prefill_row_buckets(batch):
+        pre, write, table = M.pack_prefill(
+            list(range(1, rows + 1)), [cfg.prefix_len] * rows, [cfg.prefix_len] * rows,
+            [prompt] * rows, [list(range(1, kv_len // PAGE + 1))] * rows, rows, prompt,
+            kv_len, PAGE)
+        ids = np.zeros((rows, prompt), np.int32)
+        yield "prefill_slot", {"rows": rows, "prompt": prompt}, P.prefill_slot, (
+            params, dev.pool, dev.slots[0], ids, ids, np.zeros((rows, prompt, 2), np.float32),
+            pre, write, table)
+    t = cfg.text
+    kv = jax.ShapeDtypeStruct((t.n_layers, cfg.prefix_len, t.n_kv_heads, t.head_dim),
+                              cfg.dtype)
+    at = np.zeros(cfg.prefix_len, np.int32)
+    yield "write_prefix_pages", {}, P.write_prefix_pages, (dev.pool, kv, kv, at, at)
+    yield "copy_pages", {}, P.copy_pages, (dev.pool, at[:1], at[:1])
+    # The image prefix of a 1200 x 900 photo: crops through the vision encoder to K/V.
+    crops = image_mod.make_crops(Image.fromarray(np.zeros((900, 1200, 3), np.uint8)),
+                                 cfg.vision)
+    src, ph, pw = image_mod.pool_operands(crops.tiling, cfg.vision)
+    n = int(crops.crops.shape[0])
+    yield "encode_image", {"crops": n}, P.encode_image, (params, crops.crops, src, ph, pw)
+    yield "image_kv", {"crops": n}, P.image_kv, (params, crops.crops, src, ph, pw)
+
+
+def cost_rows(models, batch: int, contexts=(1024, 2048)):
+    """The decode step's HBM bytes per chip and the tokens/s they allow: the text weights
+    (every layer, the LM head; Moondream 3 at batch 32 selects ~63 of its 64 experts per
+    layer, so all are counted) once per step, plus each row's K/V up to its context.  A
+    lower bound on time: compute, the sampler and the host are left out."""
+    import jax
+    import numpy as np
+
+    from photon_jax import memory
+    from photon_jax.params import abstract_params
+
+    for name in models:
+        cfg = CONFIGS[name]().with_dtype("bfloat16")
+        p = abstract_params(cfg)
+        text = sum(int(np.prod(x.shape)) * x.dtype.itemsize
+                   for x in jax.tree.leaves((p["text"], p["region"])))
+        per_tok = memory.bytes_per_token(cfg)
+        for chip, spec in CHIPS.items():
+            for n in (1, 4):
+                for ctx in contexts:
+                    step = (text + batch * ctx * per_tok) / n
+                    yield {"kind": "tpu_cost", "model": name, "chip": chip, "chips": n,
+                           "batch": batch, "context": ctx,
+                           "weights_GB": round(text / n / 1e9, 2),
+                           "kv_GB": round(batch * ctx * per_tok / n / 1e9, 2),
+                           "step_ms": round(1e3 * step / spec["bw"], 2),
+                           "tok_s": round(batch * spec["bw"] / step)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["md2", "md3"],
+                    help="configs of bench/common.py, in bfloat16")
+    ap.add_argument("--topologies", nargs="+",
+                    default=["v5e", "v6e", "v5e:2x2", "v6e:2x2"],
+                    help="v5e / v6e: one chip; v5e:2x2 / v6e:2x2: four")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--programs", nargs="+", default=None,
+                    help="only these programs (names as printed)")
+    ap.add_argument("--grouped", default=None, choices=["blocks", "ragged"],
+                    help="MoE prefill schedule instead of step.default_grouped('tpu')")
+    ap.add_argument("--cost-model", action="store_true", help="also the decode byte model")
+    ap.add_argument("--lower-only", action="store_true",
+                    help="no libtpu: lower the tiny config's programs to StableHLO for TPU")
+    args = ap.parse_args()
+    env = env_info()
+    if args.cost_model:
+        for row in cost_rows(args.models, args.batch):
+            print(json.dumps(row), flush=True)
+    if args.lower_only:
+        runs = [("tiny", None)]
+    else:
+        runs = [(m, t) for m in args.models for t in args.topologies]
+    for name, topology in runs:
+        cfg = CONFIGS[name]().with_dtype("bfloat16")
+        if topology is None:
+            chip, devices = "v5e", None
+            a = serving_args(cfg, 4, None, kv_cache_tokens=4 * cfg.text.max_context)
+            batch = 4
+        else:
+            chip, devices = devices_of(topology)
+            batch = args.batch
+            try:
+                a = serving_args(cfg, batch, chip if len(devices) == 1 else None,
+                                 None if len(devices) == 1 else
+                                 batch * cfg.text.max_context)
+            except Exception as e:   # the plan refuses: the model does not fit the chip
+                print(json.dumps({"kind": "tpu_compile", "model": name, "topology": topology,
+                                  "program": "memory.plan", "compiled": False,
+                                  "error": f"{type(e).__name__}: {str(e)[:400]}", **env}),
+                      flush=True)
+                continue
+        info = {"model": name, "topology": topology or "lowered for TPU", "batch": batch,
+                "kv_cache_tokens": a["plan"].kv_cache_tokens}
+        for prog, fields, fn, call_args in program_calls(cfg, a, batch, args.grouped):
+            if args.programs and prog not in args.programs:
+                continue
+            row = compile_row(fn, call_args, devices, chip, program=prog, **fields, **info)
+            if args.grouped:
+                row["grouped"] = args.grouped
+            print(json.dumps({**row, **env}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
