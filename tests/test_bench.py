@@ -203,3 +203,17 @@ def test_decode_cost_counts_what_the_kernels_read():
         if attention == "cpu-kernel" and cpukernel.dense_fast():
             assert r["kernel_bytes"] > r["weights_bytes"] / 2, r
 
+
+
+def test_tpu_compile_lower_only_lowers_every_serving_program_for_tpu():
+    """bench/tpu_compile.py --lower-only (no libtpu): the tiny config's serving programs
+    lower to StableHLO for TPU, the decode step with the Pallas TPU kernel in every layer
+    and no other program calling it."""
+    rows = run("tpu_compile.py", "--lower-only")
+    assert rows and all(r["lowered"] for r in rows), [r.get("error") for r in rows]
+    progs = {r["program"] for r in rows}
+    assert {"forward", "prefill_slot", "write_prefix_pages", "copy_pages", "encode_image",
+            "image_kv"} <= progs and sum(p.startswith("sample_step") for p in progs) == 4
+    # The tiny config's two layers, at every row bucket; nothing else calls a TPU kernel.
+    assert [r["tpu_kernels"] for r in rows if r["program"] == "forward"] == [2, 2, 2]
+    assert {r["tpu_kernels"] for r in rows if r["program"] != "forward"} == {0}
