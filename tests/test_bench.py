@@ -217,3 +217,44 @@ def test_tpu_compile_lower_only_lowers_every_serving_program_for_tpu():
     # The tiny config's two layers, at every row bucket; nothing else calls a TPU kernel.
     assert [r["tpu_kernels"] for r in rows if r["program"] == "forward"] == [2, 2, 2]
     assert {r["tpu_kernels"] for r in rows if r["program"] != "forward"} == {0}
+
+
+# Optimized XLA:TPU HLO of `jax.lax.while_loop(lambda s: s[0] < n, ...)` (n an argument)
+# and of `jax.lax.fori_loop(0, 3, ...)`, compiled for a described v6e (trimmed): XLA:TPU
+# annotates neither with a known trip count; only the condition tells them apart.
+_TPU_WHILE = """
+%wide.region_3.4 (wide.arg_tuple.3: (s32[], f32[3], s32[], s32[])) -> pred[] {
+  %wide.arg_tuple.3 = (s32[]{:T(128)}, f32[3]{0:T(128)S(1)}, s32[]{:T(128)}, s32[]{:T(128)}) parameter(0)
+  %get-tuple-element.19 = s32[]{:T(128)} get-tuple-element(%wide.arg_tuple.3), index=2
+  %get-tuple-element.18 = s32[]{:T(128)} get-tuple-element(%wide.arg_tuple.3), index=0
+  ROOT %lt.0 = pred[]{:T(512)} compare(%get-tuple-element.18, %get-tuple-element.19), direction=LT
+}
+
+ENTRY %main.5 (x.5: f32[3], n.1: s32[]) -> f32[3] {
+  %while = (s32[]{:T(128)}, f32[3]{0:T(128)S(1)}, s32[]{:T(128)}, s32[]{:T(128)}) while(%tuple.18), condition=%wide.region_3.4, body=%wide.region_2.3.sunk
+}
+"""
+_TPU_FORI = """
+%wide.region_1.3 (wide.arg_tuple.3: (s32[], f32[3], s32[])) -> pred[] {
+  %constant.8 = s32[]{:T(128)} constant(3)
+  %wide.arg_tuple.3 = (s32[]{:T(128)}, f32[3]{0:T(128)S(1)}, s32[]{:T(128)}) parameter(0)
+  %get-tuple-element.10 = s32[]{:T(128)} get-tuple-element(%wide.arg_tuple.3), index=0
+  ROOT %lt.0 = pred[]{:T(512)} compare(%get-tuple-element.10, %constant.8), direction=LT
+}
+
+ENTRY %main.4 (x.1: f32[3]) -> f32[3] {
+  %while = (s32[]{:T(128)}, f32[3]{0:T(128)S(1)}, s32[]{:T(128)}) while(%tuple.13), condition=%wide.region_1.3, body=%wide.region_0.2.sunk
+  %cond.1.clone = (f32[3]{0:T(128)}) conditional(%convert_element_type.1, %tuple.3, %tuple.3), branch_computations={%region_0.1, %region_1.2}
+}
+"""
+
+
+def test_tpu_compiles_audit_tells_a_data_dependent_loop_from_a_counted_one():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from tpu_compile import audit_counts
+
+    assert audit_counts(_TPU_WHILE) == (0, 1)
+    assert audit_counts(_TPU_FORI) == (1, 0)
+    # XLA:CPU and XLA:GPU annotate a counted loop themselves.
+    assert audit_counts('%w = s32[] while(%t), condition=%c, backend_config='
+                        '{"known_trip_count":{"n":"3"}}') == (0, 0)
