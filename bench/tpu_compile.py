@@ -12,9 +12,10 @@ compiles, what it needs per chip, and whether its optimized HLO has a `condition
 One JSON line per (model, topology, program), kind "tpu_compile": compiled, argument_bytes,
 output_bytes, temp_bytes, hbm_bytes_per_chip (arguments + outputs - aliased + temporaries +
 code), conditionals, unknown_trip_loops, compile_s, error (when not compiled); and the
-pool `memory.plan` gave for the chip (kv_cache_tokens).  `--cost-model` adds one line per
-(model, chip) of the decode-step byte model (kind "tpu_cost"): weights and KV bytes a step
-reads per chip against the chip's HBM bandwidth, the tokens/s that bound gives.
+pool `memory.plan` gave for the chip (kv_cache_tokens).  `--cost-model` prints instead one
+line per (model, chip, chips, context) of the decode-step byte model (kind "tpu_cost"): the
+weights and KV bytes a step reads per chip against the chip's HBM bandwidth, and the
+tokens/s that bound gives.
 
     pip install ".[tpu]"      # libtpu; keep it out of a CPU/GPU environment
     TPU_SKIP_MDS_QUERY=1 JAX_PLATFORMS=cpu python bench/tpu_compile.py
@@ -230,7 +231,10 @@ def cost_rows(models, batch: int, contexts=(1024, 2048)):
     """The decode step's HBM bytes per chip and the tokens/s they allow: the text weights
     (every layer, the LM head; Moondream 3 at batch 32 selects ~63 of its 64 experts per
     layer, so all are counted) once per step, plus each row's K/V up to its context.  A
-    lower bound on time: compute, the sampler and the host are left out."""
+    lower bound on time: compute, the sampler and the host are left out.  Over n chips each
+    reads 1/n of both (the pool is split by kv heads, the weights by columns or experts;
+    the few replicated ones -- norms, embeddings -- are left out).  `fits`: those bytes
+    within the chip's HBM."""
     import jax
     import numpy as np
 
@@ -251,6 +255,7 @@ def cost_rows(models, batch: int, contexts=(1024, 2048)):
                            "batch": batch, "context": ctx,
                            "weights_GB": round(text / n / 1e9, 2),
                            "kv_GB": round(batch * ctx * per_tok / n / 1e9, 2),
+                           "fits": step <= spec["hbm"],
                            "step_ms": round(1e3 * step / spec["bw"], 2),
                            "tok_s": round(batch * spec["bw"] / step)}
 
@@ -267,14 +272,16 @@ def main() -> None:
                     help="only these programs (names as printed)")
     ap.add_argument("--grouped", default=None, choices=["blocks", "ragged"],
                     help="MoE prefill schedule instead of step.default_grouped('tpu')")
-    ap.add_argument("--cost-model", action="store_true", help="also the decode byte model")
+    ap.add_argument("--cost-model", action="store_true",
+                    help="only the decode byte model (no compiles, no libtpu)")
     ap.add_argument("--lower-only", action="store_true",
                     help="no libtpu: lower the tiny config's programs to StableHLO for TPU")
     args = ap.parse_args()
     env = env_info()
-    if args.cost_model:
+    if args.cost_model:   # arithmetic only: no compile, no libtpu
         for row in cost_rows(args.models, args.batch):
             print(json.dumps(row), flush=True)
+        return
     if args.lower_only:
         runs = [("tiny", None)]
     else:
