@@ -111,9 +111,22 @@ def lowering_context(chip: str | None):
                                                                     abstract_device=dev))
 
 
-def compile_row(fn, args, devices, chip: str, **fields) -> dict:
+def placed_args(args, devices, shardings=None):
+    """`args` as abstract arrays on `devices`: one device, or a mesh with `shardings` (a
+    function of the args giving a NamedSharding per array leaf)."""
+    import jax
+
+    if shardings is None:
+        where = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(devices[0]), args)
+    else:
+        where = shardings(args)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                        if hasattr(a, "shape") else a, args, where)
+
+
+def compile_row(fn, args, devices, chip: str, shardings=None, **fields) -> dict:
     """Compile `fn` at the abstract `args` for `devices` (None: lower to StableHLO for TPU
-    only, no libtpu); the row to print."""
+    only, no libtpu; several: a mesh, `shardings` placing the args); the row to print."""
     import jax
 
     row = {"kind": "tpu_compile", **fields}
@@ -128,13 +141,8 @@ def compile_row(fn, args, devices, chip: str, **fields) -> dict:
         return {**row, "compiled": False, "lower_only": True, "lowered": True,
                 "tpu_kernels": text.count("tpu_custom_call"),
                 "lower_s": round(time.perf_counter() - t0, 1)}
-    if len(devices) != 1:
-        return {**row, "compiled": False,
-                "error": "multi-chip programs need photon_jax's mesh sharding"}
-    sharding = jax.sharding.SingleDeviceSharding(devices[0])
-    placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
-                          if hasattr(a, "shape") else a, args)
     try:
+        placed = placed_args(args, devices, shardings)
         with jax.default_device(devices[0]):
             compiled = fn.trace(*placed).lower().compile()
     except Exception as e:   # the compiler's verdict is the result
@@ -154,10 +162,12 @@ def compile_row(fn, args, devices, chip: str, **fields) -> dict:
             "tpu_kernels": text.count("tpu_custom_call")}
 
 
-def serving_args(cfg, batch: int, chip: str | None, kv_cache_tokens=None) -> dict:
+def serving_args(cfg, batch: int, chip: str | None, kv_cache_tokens=None,
+                 chips: int = 1) -> dict:
     """Abstract arguments (nothing allocated) of the serving programs: params as a loaded
     model holds them, the device state with the pool `memory.plan` gives for the chip (one
-    arena, the TPU layout), decode metadata per row bucket, sampling rows."""
+    arena, the TPU layout; over `chips` chips, per chip), decode metadata per row bucket,
+    sampling rows."""
     import jax
     import jax.numpy as jnp
 
@@ -167,8 +177,10 @@ def serving_args(cfg, batch: int, chip: str | None, kv_cache_tokens=None) -> dic
 
     ctx = cfg.text.max_context
     free = None if chip is None else int(FREE_SHARE * CHIPS[chip]["hbm"])
+    mesh = {"mesh_size": chips} if chips > 1 else {}   # (a plan per chip: the mesh sharding)
     plan = memory.plan(cfg, platform="tpu", max_batch_size=batch, max_context=ctx,
-                       page_size=PAGE, kv_cache_tokens=kv_cache_tokens, free=free, sweep=False)
+                       page_size=PAGE, kv_cache_tokens=kv_cache_tokens, free=free, sweep=False,
+                       **mesh)
     dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes, page_size=PAGE,
                                         max_batch_size=batch, platform="tpu",
                                         pack=kvpool.pack_for(ATTENTION, cfg.text.head_dim))
@@ -181,18 +193,20 @@ def serving_args(cfg, batch: int, chip: str | None, kv_cache_tokens=None) -> dic
             "samp": jax.ShapeDtypeStruct((step_mod.S_ALLOW + 1, batch), jnp.int32)}
 
 
-def program_calls(cfg, a: dict, batch: int, grouped: str | None = None):
-    """(name, fields, program, abstract args) of every serving program."""
+def program_calls(cfg, a: dict, batch: int, grouped: str | None = None, tp=None):
+    """(name, fields, program, abstract args) of every serving program (`tp`: the engine's
+    over a mesh, `sharding.TensorParallel`)."""
     import jax
     import numpy as np
     from PIL import Image
 
     from photon_jax import image as image_mod, meta as M, step as step_mod
 
-    P = step_mod.build_for(cfg, "tpu", ATTENTION)
+    mesh = {"tp": tp} if tp is not None else {}
+    P = step_mod.build_for(cfg, "tpu", ATTENTION, **mesh)
     if grouped is not None:   # another MoE prefill schedule (the comparison of moe.py's)
         P = step_mod.build(cfg, ATTENTION, grouped=grouped,
-                           vision_loop=step_mod.default_vision_loop("tpu"))
+                           vision_loop=step_mod.default_vision_loop("tpu"), **mesh)
     params, dev = a["params"], a["dev"]
     for rows, meta in a["meta"].items():
         yield "forward", {"rows": rows}, P.forward, (params, dev.pool, dev.slots[0],
@@ -260,6 +274,33 @@ def cost_rows(models, batch: int, contexts=(1024, 2048)):
                            "tok_s": round(batch * spec["bw"] / step)}
 
 
+def mesh_layout(cfg, devices):
+    """(tp, shardings) for a program over `devices` as the engine places it: the mesh
+    layout (`sharding.TensorParallel`) and a function of a program's args giving each leaf
+    its NamedSharding -- params by `param_shardings`, the device state by
+    `DeviceState.shardings`, everything else replicated."""
+    import jax
+    import numpy as np
+
+    from photon_jax import kvpool, sharding, step as step_mod
+
+    tp = sharding.TensorParallel(jax.sharding.Mesh(np.array(devices), (sharding.AXIS,)))
+
+    def shardings(args):
+        def one(x):
+            if isinstance(x, dict) and "text" in x:            # the params
+                return tp.param_shardings(x)
+            if isinstance(x, step_mod.DeviceState):
+                return step_mod.DeviceState.shardings(x, cfg, tp)
+            if isinstance(x, kvpool.KVPool):
+                return step_mod.DeviceState.shardings(
+                    step_mod.DeviceState(x, [], None, None), cfg, tp).pool
+            return jax.tree.map(lambda _: tp.replicated, x)
+        return tuple(one(x) for x in args)
+
+    return tp, shardings
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["md2", "md3"],
@@ -296,21 +337,25 @@ def main() -> None:
             chip, devices = devices_of(topology)
             batch = args.batch
             try:
-                a = serving_args(cfg, batch, chip if len(devices) == 1 else None,
-                                 None if len(devices) == 1 else
-                                 batch * cfg.text.max_context)
-            except Exception as e:   # the plan refuses: the model does not fit the chip
+                tp, shardings = (None, None) if len(devices) == 1 else \
+                    mesh_layout(cfg, devices)
+                a = serving_args(cfg, batch, chip, chips=len(devices))
+            except Exception as e:   # the plan refuses (the model does not fit the chip), or
+                # this tree has no mesh sharding (photon_jax.sharding)
                 print(json.dumps({"kind": "tpu_compile", "model": name, "topology": topology,
-                                  "program": "memory.plan", "compiled": False,
+                                  "program": "setup", "compiled": False,
                                   "error": f"{type(e).__name__}: {str(e)[:400]}", **env}),
                       flush=True)
                 continue
         info = {"model": name, "topology": topology or "lowered for TPU", "batch": batch,
                 "kv_cache_tokens": a["plan"].kv_cache_tokens}
-        for prog, fields, fn, call_args in program_calls(cfg, a, batch, args.grouped):
+        for prog, fields, fn, call_args in program_calls(cfg, a, batch, args.grouped,
+                                                         None if topology is None else tp):
             if args.programs and prog not in args.programs:
                 continue
-            row = compile_row(fn, call_args, devices, chip, program=prog, **fields, **info)
+            row = compile_row(fn, call_args, devices, chip,
+                              None if topology is None else shardings,
+                              program=prog, **fields, **info)
             if args.grouped:
                 row["grouped"] = args.grouped
             print(json.dumps({**row, **env}), flush=True)
