@@ -63,8 +63,8 @@ LANES = 128
 # A large finite negative score for masked positions: -inf would make a block whose
 # positions are all masked compute exp(-inf - -inf) = NaN.
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
-# VMEM one step's K and V blocks may take, both buffers: well under the 16 MiB a v5e
-# kernel gets by default (32 MiB on v6e).
+# VMEM a block's K and V may take, both buffers (MD2/MD3 in bfloat16: 4 pages of 64): with
+# the block's temporaries the kernel compiles for v5e and v6e within Mosaic's default VMEM.
 BLOCK_BYTES = 4 << 20
 
 
@@ -117,6 +117,16 @@ def block_pages(table_width: int, page_size: int, rows: int, lanes: int, itemsiz
     per_page = 4 * rows * page_size * lanes * itemsize
     n = max(1, min(8, table_width, BLOCK_BYTES // per_page))
     return 1 << (n.bit_length() - 1)
+
+
+pl = pltpu = None   # bound on first use (`_pallas`): the modules are experimental JAX
+
+
+def _pallas():
+    global pl, pltpu
+    if pl is None:
+        pl, pltpu = compat.pallas_tpu()
+    return pl, pltpu
 
 
 def _kernel(len_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sem, slot_ref,
@@ -224,16 +234,6 @@ def _kernel(len_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sem, slot
         return c
 
     jax.lax.fori_loop(0, n_heads, finish, 0)
-
-
-pl = pltpu = None   # bound on first use (`_pallas`): the modules are experimental JAX
-
-
-def _pallas():
-    global pl, pltpu
-    if pl is None:
-        pl, pltpu = compat.pallas_tpu()
-    return pl, pltpu
 
 
 def attend(k_pool, v_pool, q_RQH, pt_RM, length_R, *, n_kv_heads: int,
