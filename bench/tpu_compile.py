@@ -311,6 +311,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--programs", nargs="+", default=None,
                     help="only these programs (names as printed)")
+    ap.add_argument("--rows", nargs="+", type=int, default=None,
+                    help="only these row buckets of forward and prefill_slot")
     ap.add_argument("--grouped", default=None, choices=["blocks", "ragged"],
                     help="MoE prefill schedule instead of step.default_grouped('tpu')")
     ap.add_argument("--cost-model", action="store_true",
@@ -352,6 +354,9 @@ def main() -> None:
         for prog, fields, fn, call_args in program_calls(cfg, a, batch, args.grouped,
                                                          None if topology is None else tp):
             if args.programs and prog not in args.programs:
+                continue
+            if args.rows and prog in ("forward", "prefill_slot") and \
+                    fields["rows"] not in args.rows:
                 continue
             row = compile_row(fn, call_args, devices, chip,
                               None if topology is None else shardings,
