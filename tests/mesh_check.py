@@ -145,6 +145,25 @@ def main() -> None:
                 finally:
                     md.engine.close()   # (Moondream.close would free the shared weights)
             out[name] = res
+    elif CASE == "tpu":
+        # The TPU kernel (under the Pallas interpreter) over its packed pool, split by kv
+        # heads: 2 heads per pool row, 2 rows per chip.
+        md2 = with_heads(Model.load(MD2), 4 * DEVICES, 4 * DEVICES, 14)
+        res, shapes = [], []
+        for m in (Model(md2.cfg, md2.params, md2.prompts.tok, attention="xla"),
+                  Model(md2.cfg, md2.params, md2.prompts.tok, mesh=MESH,
+                        attention="pallas-tpu-interpret")):
+            md = Moondream(m, Engine(m, max_batch_size=4))
+            try:
+                pool = md.engine.dev.pool.k[0][0]
+                shapes.append([list(pool.shape), list(pool.addressable_shards[0].data.shape)])
+                res.append([md.caption(LAND, "short", settings=GREEDY),
+                            md.query(SQ, "w5 w6", settings=GREEDY),
+                            md.caption([LAND, SQ, LAND], "short", settings=GREEDY)])
+            finally:
+                md.engine.close()
+        out["tpu"] = res
+        out["tpu_pool"] = shapes
     elif CASE == "load":
         # The documented call: Moondream.load(path, mesh=...) and tensor_parallel=.
         res = []

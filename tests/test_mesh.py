@@ -73,3 +73,16 @@ def test_moondream_load_with_mesh_and_tensor_parallel():
     tensor_parallel=4, on the Moondream 3 fixture's Hugging Face folder."""
     one, mesh, tp = run_case(4, "load")["load"]
     assert mesh == one and tp == one
+
+
+def test_the_tpu_kernel_split_by_kv_heads_over_2_devices_equals_one_device():
+    """The TPU decode attention ("pallas-tpu-interpret") on its packed pool over two chips,
+    each holding its kv heads' rows (2 heads per 128-lane row): the tokens of one device's
+    XLA attention."""
+    out = run_case(2, "tpu")
+    (one_shape, _), (mesh_shape, shard_shape) = out["tpu_pool"]
+    assert one_shape[0] == 8 and one_shape[3] == 64          # [K, P, T, H] on one device
+    assert mesh_shape[0] == 4 and mesh_shape[3] == 128       # [K/2, P, T, 128] ...
+    assert shard_shape[0] == 2                                # ... split over the two
+    one, mesh = out["tpu"]
+    assert mesh == one and one[0]["caption"]
