@@ -188,7 +188,7 @@ def memory_plan(model, batch: int, page_size: int = 64, kv_cache_tokens: int | N
                        max_context=cfg.text.max_context, page_size=page_size,
                        kv_cache_tokens=kv_cache_tokens, free=None if plat != "cpu" else
                        memory.device_free(jax.devices()[0]),
-                       sweep=step.sweeps(model.attention), kv_dtype=kv_dtype_of(model))
+                       sweep=model.platform.sweeps, kv_dtype=kv_dtype_of(model))
 
 
 def row_tables(batch: int, positions: int, page_size: int) -> list[list[int]]:
@@ -240,7 +240,7 @@ def device_state(model, batch: int, steps: int, page_size: int = 64,
     cfg = model.cfg
     plan = memory_plan(model, batch, page_size, positions=start(model, prompt_tokens) + steps)
     metas, pages, n_arenas = decode_metas(model, batch, start(model, prompt_tokens), steps,
-                                          plan, owners=step_mod.sweeps(model.attention))
+                                          plan, owners=model.platform.sweeps)
     dev = step_mod.DeviceState.init(cfg, arena_sizes=plan.arenas.sizes[:n_arenas],
                                     page_size=page_size, max_batch_size=batch,
                                     device=jax.devices()[0], kv_dtype=kv_dtype_of(model))

@@ -108,8 +108,10 @@ class Engine:
                              f"{cfg.text.max_context}], got {max_context!r}")
         if page_size not in (16, 32, 64, 128, 256):
             raise ValueError(f"page_size must be 16, 32, 64, 128 or 256, got {page_size!r}")
-        if model.attention.startswith("pallas"):   # the GPU kernel loads a page at least
-            most = kvpool.kernel_max_positions(cfg.dtype, cfg.text.head_dim)
+        # What the device's platform means (`step.Platform`), with this engine's pool format.
+        plat = self.platform = model.platform.with_kv_dtype(self.kv_dtype)
+        most = plat.kernel_positions
+        if most is not None:   # a kernel step loads a page at least
             if page_size > most:
                 raise ValueError(
                     f"page_size={page_size} is too large for the GPU paged-attention kernel "
@@ -123,14 +125,14 @@ class Engine:
         # Memory: planned from shapes and the device's free memory (the weights are placed
         # already), refused with numbers if it cannot work.
         self.plan = memory.check(
-            memory.plan(cfg, platform=self.device.platform, max_batch_size=max_batch_size,
+            memory.plan(cfg, platform=plat, max_batch_size=max_batch_size,
                         max_context=ctx, page_size=page_size, kv_cache_tokens=kv_cache_tokens,
                         free=memory.device_free(self.device), weights_loaded=True,
-                        sweep=step_mod.sweeps(model.attention), kv_dtype=self.kv_dtype,
+                        kv_dtype=self.kv_dtype,
                         mesh_size=1 if model.tp is None else model.tp.n),
             cfg, max_context=ctx, weights_loaded=True)
         self.page_size, self.arenas = page_size, self.plan.arenas
-        self.sweep = step_mod.sweeps(model.attention)   # page owners uploaded per step
+        self.sweep = plat.sweeps   # page owners uploaded per step
         self.max_pages = pages_for(ctx, page_size)   # a row's page table
         self.dev = step_mod.DeviceState.init(cfg, arena_sizes=self.arenas.sizes,
                                              page_size=page_size,
@@ -140,7 +142,7 @@ class Engine:
                                page_size=page_size, prefix_len=cfg.prefix_len,
                                prefill_tokens=prefill_tokens, prefix_cache=prefix_cache,
                                reprepare=self._reprepare,
-                               record_events=record_events, share_prefix=not self.sweep)
+                               record_events=record_events, share_prefix=plat.shares_prefix)
         self.pipe = PipelineState()
         self.steps_log: collections.deque[StepRecord] = collections.deque(maxlen=log_steps)
         self.counters = collections.Counter()

@@ -24,6 +24,7 @@ region steps and rows of different kinds can share a step.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Callable
@@ -489,15 +490,66 @@ def build(cfg: MoondreamConfig, attention: str = "xla",
     return _build(cfg, attention, candidates, grouped, vision_loop, dense, tp)
 
 
-def build_for(cfg: MoondreamConfig, platform: str, attention: str | None = None,
+@dataclass(frozen=True)
+class Platform:
+    """What a device platform's choice means, worked out once (`choose`).  Everything
+    outside this module reads these fields; nothing else compares platform or attention
+    names."""
+    name: str                  # "cpu", "gpu", "tpu", ...
+    attention: str             # the decode attention (`ATTENTION`)
+    sweeps: bool               # decode reads the pool by the arena sweep, not page tables
+    shares_prefix: bool        # cached prefix pages are read in place (else copied)
+    kernel_positions: int | None   # most positions one kernel step loads: caps page_size
+    dense: bool                # decode's dense layers on `cpukernel.dense`
+    grouped: str               # the MoE prefill schedule (`moe.schedule`)
+    vision_loop: bool          # the vision attention loops over (crop, head) pairs
+    host_memory: bool          # device memory is the host's (pool sized from host RAM)
+    dtype: str                 # the compute dtype
+    kv_dtype: str | None = None    # the pool's 8-bit format (None: the model's dtype)
+
+    def with_kv_dtype(self, kv_dtype: str | None) -> "Platform":
+        return dataclasses.replace(self, kv_dtype=kv_dtype)
+
+
+def host_platform(platform: str) -> bool:
+    """Whether a platform's device memory is the host's (CPU)."""
+    return platform == "cpu"
+
+
+def default_dtype(platform: str, checkpoint_dtype: str) -> str:
+    """The compute dtype when none is asked for: float32 on CPU (XLA:CPU has no bfloat16
+    matmul on most x86 CPUs and converts operands in every step, so a bfloat16 model decodes
+    slower than the same model in float32: `bench/caption.py`), the checkpoint's elsewhere."""
+    return "float32" if platform == "cpu" else checkpoint_dtype
+
+
+def choose(cfg: MoondreamConfig, platform: str, attention: str | None = None,
+           kv_dtype: str | None = None) -> Platform:
+    """The record of what `platform` gets for `cfg` (its dtype already chosen): the default
+    attention (or `attention`) and the rest that follows from it.  Builds nothing."""
+    attention = attention or default_attention(platform)
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    sweep = sweeps(attention)
+    return Platform(
+        name=platform, attention=attention, sweeps=sweep, shares_prefix=not sweep,
+        kernel_positions=(kvpool.kernel_max_positions(cfg.dtype, cfg.text.head_dim)
+                          if attention.startswith("pallas") else None),
+        dense=attention == "cpu-kernel" and default_dense(cfg, attention),
+        grouped=default_grouped(platform), vision_loop=default_vision_loop(platform),
+        host_memory=host_platform(platform), dtype=cfg.dtype, kv_dtype=kv_dtype)
+
+
+def build_for(cfg: MoondreamConfig, platform: "str | Platform", attention: str | None = None,
               tp=None) -> Programs:
-    """The programs a device of `platform` ("cpu", "gpu", ...) gets: its default attention
-    (or `attention`), MoE prefill schedule and vision attention (`default_*`).  What
+    """The programs a device of `platform` ("cpu", "gpu", ..., or its `Platform` record)
+    gets: its default attention (or `attention`), MoE prefill schedule and vision attention
+    (`choose`).  What
     `Model` builds; the GPU tests and `bench/gpu_compile.py` build a GPU's this way too.
     `tp`: the engine's programs over a mesh (`sharding.TensorParallel`)."""
-    return build(cfg, attention or default_attention(platform),
-                 grouped=default_grouped(platform), vision_loop=default_vision_loop(platform),
-                 tp=tp)
+    rec = platform if isinstance(platform, Platform) else choose(cfg, platform, attention)
+    return build(cfg, rec.attention, grouped=rec.grouped, vision_loop=rec.vision_loop,
+                 dense=rec.dense, tp=tp)
 
 
 @lru_cache(maxsize=16)
