@@ -235,7 +235,7 @@ def device_state(model, batch: int, steps: int, page_size: int = 64,
     import jax
     import numpy as np
 
-    from photon_jax import constraints, step as step_mod
+    from photon_jax import constraints, meta as M, step as step_mod
 
     cfg = model.cfg
     plan = memory_plan(model, batch, page_size, positions=start(model, prompt_tokens) + steps)
@@ -250,8 +250,15 @@ def device_state(model, batch: int, steps: int, page_size: int = 64,
     samp[step_mod.S_INDEX] = 1
     samp[step_mod.S_TOP_P] = np.ones(batch, np.float32).view(np.int32)
     samp[step_mod.S_ALLOW] = -1
+    # The GPU kernel's split count, planned from the last step's lengths as the engine
+    # plans each step (1 for the other attentions).
+    d = jax.devices()[0]
+    splits = model.programs.decode_splits(
+        metas[-1][M.M_POS][:batch] + 1, page_size,
+        getattr(d, "core_count", None) if d.platform == "gpu" else None)
     return {"pool": dev.pool, "slot": dev.slots[0], "pending": dev.pending,
-            "tables": dev.tables, "metas": metas, "pages": pages, "samp": samp, "plan": plan, "n_arenas": n_arenas}
+            "tables": dev.tables, "metas": metas, "pages": pages, "samp": samp, "plan": plan,
+            "n_arenas": n_arenas, "splits": splits}
 
 
 # -- bytes: XLA's cost analysis of a decode step, next to its floor -------------------------
@@ -379,7 +386,8 @@ def ceiling_run(model, batch: int, steps: int, warm: bool = False,
 
     def once(pool, slot, pending):
         pool, slot, pending = P.ceiling(model.params, pool, slot, pending, st["tables"],
-                                        put(st["metas"]), put(st["pages"]), put(st["samp"]))
+                                        put(st["metas"]), put(st["pages"]), put(st["samp"]),
+                                        st["splits"])
         jax.block_until_ready(pending)
         return pool, slot, pending
 
@@ -419,7 +427,8 @@ def component_times(model, batch: int, steps: int, reps: int = 5,
 
     def forward():
         nonlocal pool, slot
-        pool, slot = P.forward(model.params, pool, slot, pending, meta_d, pages_d)
+        pool, slot = P.forward(model.params, pool, slot, pending, meta_d, pages_d,
+                               st["splits"])
         return slot
 
     def sample():
