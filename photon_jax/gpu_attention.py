@@ -196,6 +196,20 @@ def attend(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R, *, splits: int = 1,
     splits (static: one of `SPLITS`).  8-bit pools pass their scales ks/vs [K, P, T]
     (codes as stored: e4m3 bytes are reinterpreted).  `interpret`: the Pallas interpreter
     (CPU tests) instead of Triton."""
+    r, nq, dim = q_RQH.shape
+    out = kernel(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R, splits=splits, interpret=interpret,
+                 ks_KPT=ks_KPT, vs_KPT=vs_KPT)
+    if splits > 1:
+        out = combine(*out, length_R.astype(jnp.int32),
+                      per_step(k_KPTH.shape[2], nq // k_KPTH.shape[0]) * k_KPTH.shape[2])
+    return out.reshape(r, nq * dim).astype(q_RQH.dtype)
+
+
+def kernel(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R, *, splits: int = 1,
+           interpret: bool = False, ks_KPT=None, vs_KPT=None):
+    """The kernel's own outputs (arguments as `attend`): S = 1, the attention [R, K, G, H]
+    in q's dtype; S > 1, the partials (o [R, K, S, G, H], max and sum [R, K, S, G], float32),
+    the slots of empty splits left as they were (never written)."""
     if splits not in SPLITS:
         raise ValueError(f"splits must be one of {SPLITS}, got {splits!r}")
     pl, plgpu = compat.pallas_triton()
@@ -245,9 +259,7 @@ def attend(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R, *, splits: int = 1,
         interpret=interpret, name=f"photon_decode_attention_s{splits}_p{per}",
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
     )(*args)
-    if splits > 1:
-        out = combine(*out, lengths, per * page)
-    return out.reshape(r, nq * dim).astype(q_RQH.dtype)
+    return out
 
 
 def combine(o_RKSGH, m_RKSG, l_RKSG, length_R, step_len: int):
