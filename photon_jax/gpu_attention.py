@@ -286,9 +286,11 @@ def traffic(lengths, *, kv_heads: int, group: int, head_dim: int, page_size: int
     steps (the kernel's own arithmetic, `split_bounds`), not measured: per program the K/V
     pages its steps gather (whole steps, so up to per_step - 1 pages past a row's end), the
     scales of those positions, its table entries, its queries and its length; the writes of
-    its output block (S = 1) or partials (S > 1, non-empty programs only); and the combine's
-    reads of every partial slot and its writes of the output (S > 1).  `lengths`: every row
-    of the call (the bucket's padding rows included)."""
+    its output block (S = 1) or partials (S > 1, non-empty programs only); and (S > 1) the
+    combine's reads of every partial slot and its writes of the output.  `lengths`: every
+    row of the call (the bucket's padding rows included).  `table_width` does not change
+    the count (a program reads only the table entries its steps use); it is taken so the
+    arguments match the replaced kernel's count (`bench/gpu_traffic.py`)."""
     lengths = np.asarray(lengths, np.int64)
     per = per_step(page_size, group)
     step_len = per * page_size
@@ -301,11 +303,12 @@ def traffic(lengths, *, kv_heads: int, group: int, head_dim: int, page_size: int
         + programs * (group * head_dim * 4 + 4)
     out = len(lengths) * kv_heads * group * head_dim * out_itemsize
     if splits == 1:
-        written, combine_rw = out, 0
+        written, combine_read, combine_written = out, 0, 0
     else:
         part = group * (head_dim + 2) * 4
         written = (programs - empty) * part
-        combine_rw = programs * part + out
+        combine_read, combine_written = programs * part, out
     attended = int(lengths.sum()) * kv_heads * per_pos
     return {"programs": programs, "empty": empty, "kv_attended": attended,
-            "read": int(read), "written": int(written), "combine_rw": int(combine_rw)}
+            "read": int(read), "written": int(written), "combine_read": int(combine_read),
+            "combine_written": int(combine_written)}
