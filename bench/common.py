@@ -298,10 +298,13 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes[:n_arenas],
                                         page_size=page_size, max_batch_size=batch,
                                         kv_dtype=kv_dtype, platform=platform_)
-    prog = step_mod.build(cfg, attention).forward
+    programs = step_mod.build(cfg, attention)
+    prog = programs.forward
+    # (The GPU kernel's split count as the engine would plan this step; 1 elsewhere.)
     args = (params, dev.pool, dev.slots[0], dev.pending,
             jax.ShapeDtypeStruct(metas[0].shape, jnp.int32),
-            jax.ShapeDtypeStruct(pages[0].shape, jnp.int32))
+            jax.ShapeDtypeStruct(pages[0].shape, jnp.int32),
+            programs.decode_splits([position + 1] * batch, page_size))
     compiled = prog.lower(*args).compile()
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, list) else ca
@@ -331,7 +334,8 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     kernel = 0
     if attention == "cpu-kernel":
         kernel = cpukernel.bytes_accessed(kv, t.n_layers, batch, t.n_heads, t.head_dim)
-        kernel += cpukernel.dense_bytes_accessed(jax.make_jaxpr(prog)(*args))
+        kernel += cpukernel.dense_bytes_accessed(
+            jax.make_jaxpr(prog, static_argnums=(6,))(*args))
     total = xla_bytes + kernel
     return {"batch": batch, "position": position, "page_size": page_size,
             "attention": attention, "bytes_accessed": total, "xla_bytes_accessed": xla_bytes,
