@@ -10,9 +10,9 @@ handed out: padding rows and padding positions write there, so they corrupt noth
 Why per-layer arrays, and arenas.  On XLA:CPU any slice of a bigger array that feeds a dot is
 copied out first, dynamic or static: a scan over stacked layers copied every layer's weights
 and KV in every step (3x the bytes, measured).  So the serving programs unroll the layers over
-per-layer arrays, and a decode step reads whole arrays only.  The kernels (`cpukernel` on CPU,
-our Pallas kernel `gpu_attention` on GPU) read one arena through each row's page table up to its
-length; arenas matter only to the XLA sweep, which then takes only the arenas below the
+per-layer arrays, and a decode step reads whole arrays only.  The kernels (`cpukernel` on
+CPU, our Pallas kernel `gpu_attention` on GPU) read one arena through each row's page table
+up to its length; arenas matter only to the XLA sweep, which then takes only the arenas below the
 highest page any of its rows uses (pages are handed out lowest-first), so it reads the pool
 up to its live high-water mark, not the whole pool.
 
@@ -31,9 +31,9 @@ prefill numerics are exactly the one-request path's.
 8-bit pools (`kv_dtype` "int8" / "float8_e4m3fn"; default: the model's dtype, unquantized).
 K and V are stored as 8-bit codes with one float32 scale per (kv head, position): `ks[l][a]`
 / `vs[l][a]` of shape [K, Pa, T] beside the [K, Pa, T, H] codes (the layout JAX's Pallas
-kernel took as `k_scales_pages` / `v_scales_pages`; `gpu_attention` reads the same).  The scale is the absmax of that
-head's H-vector over the format's largest value (127, or 448 for e4m3), so the vector's
-largest element is represented exactly and the rest to the format's resolution.  Why per
+kernel took as `k_scales_pages` / `v_scales_pages`; `gpu_attention` reads the same).  The
+scale is the absmax of that head's H-vector over the format's largest value (127, or 448
+for e4m3), so the vector's largest element is represented exactly and the rest to the format's resolution.  Why per
 position and not per page: positions are written one at a time as a page fills (decode
 appends one per step), so a per-page scale would have to grow -- and the page be
 requantized -- whenever a later position is larger, compounding rounding on values already
