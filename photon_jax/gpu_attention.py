@@ -13,7 +13,9 @@ pages through the table), computing the attention of the KV head's G queries (G 
 Moondream's MHA) as a mat-vec on the vector units: scores are a broadcast multiply and a
 sum over the head dim, the output a broadcast multiply and a sum over positions.  No query
 is padded: a program reads its pages once and writes G rows.  (Triton's `dot` wants 16 rows
-or more; with G = 1 it would be 15 rows of padding again.  Decode attention does 2 flops
+or more; with G = 1 it would be 15 rows of padding again, and grouping 16 heads of a row in
+one program gives no legitimate dot either: in MHA each head has its own K/V, so it is 16
+mat-vecs whatever the grouping, with the same bytes read.  Decode attention does 2 flops
 per K/V element it reads, so the tensor cores have nothing to win here.)
 
 Splits ("flash-decoding").  A row's length is cut into `cdiv(length, per_step * T)` steps
