@@ -62,8 +62,9 @@ SPLITS = (1, 2, 4, 8, 16)
 # H200 SXM (the GPU the plan is tuned for when the device does not say).
 DEFAULT_SMS = 132
 # Programs the plan aims for per SM: a program holds one (row, head, split) and is small
-# (4 warps), so an SM runs several; two per SM is the floor below which splitting pays (a
-# memory-bound SM with one program has one stream of loads in flight).
+# (4 warps), so an SM runs several; below two per SM splitting pays (a memory-bound SM with
+# one program has one stream of loads in flight).  A rule, not yet tuned on a GPU: this
+# and MIN_SPLIT_POSITIONS are the two knobs a GPU run should sweep.
 PROGRAMS_PER_SM = 2
 # A split should stream at least this many positions (two steps of 128 at T = 64): below
 # that its partial and the combine cost as much as the positions it reads.
