@@ -144,6 +144,10 @@ def check_engine_on_gpu_programs(base: Model, n_requests: int):
             want = reference.generate_points(base, enc, req.prompt, with_size=False,
                                              max_objects=req.settings.max_objects)
             assert out["objects"] == want["objects"], req
+    # The engine planned splits from the rows' lengths (image prompts: ~760 positions, 2
+    # splits), so the split kernel and its combine produced the tokens compared above.
+    splits = {args[6] for n, args in rec.calls.values() if n == "forward"}
+    assert 2 in splits, splits
     dispatched = {n if isinstance(n, str) else n[0] for n, _ in rec.calls.values()}
     assert {"image_kv", "write_prefix_pages", "copy_pages", "prefill_slot", "forward",
             "sample_step", "prefill", "decode"} <= dispatched, dispatched
