@@ -15,6 +15,8 @@ One JSON line per compile, kind "gpu_compile":
                     from `memory.plan` for the H200's memory: compile seconds, temporaries,
                     and the conditionals and unknown-trip loops in the optimized HLO (each
                     one a host round trip on a GPU)
+  what = "ptxas"    (--ptxas DIR) each compiled kernel's registers and spill bytes, from
+                    ptxas -v over the PTX XLA dumped
   ok, error         whether it compiled, and XLA's or Triton's message if not
 
     pip install "jax[cuda13]==$(python -c 'import jax; print(jax.__version__)')"
@@ -244,6 +246,33 @@ def image_rows(P, params, cfg, device, info):
                       program="image_kv", crops=int(crops.crops.shape[0]), **info)
 
 
+def ptxas_rows(dump: str):
+    """Registers and spills of every compiled `gpu_attention` kernel: ptxas -v (the CUDA
+    plugin's) over the PTX XLA dumped, for the H200's sm_90a."""
+    import glob
+    import re
+    import subprocess
+
+    import jax_cuda13_plugin   # noqa: F401  (where the plugin's ptxas lives)
+    ptxas = glob.glob(os.path.join(os.path.dirname(os.path.dirname(
+        jax_cuda13_plugin.__file__)), "nvidia", "cu*", "bin", "ptxas"))
+    seen = set()
+    for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
+        text = open(path).read()
+        names = re.findall(r"\.entry (photon_decode_attention\w*)", text)
+        if not names or not ptxas or names[0] in seen:
+            continue
+        seen.add(names[0])
+        out = subprocess.run([ptxas[0], "-v", "-arch=sm_90a", path, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+        regs = re.search(r"Used (\d+) registers", out)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+        yield {"kind": "gpu_compile", "what": "ptxas", "kernel": names[0],
+               "registers": int(regs.group(1)) if regs else None,
+               "spill_store_bytes": int(spill.group(1)) if spill else None,
+               "spill_load_bytes": int(spill.group(2)) if spill else None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=32)
@@ -254,13 +283,22 @@ def main() -> None:
                     help="configs of bench/common.py (bfloat16)")
     ap.add_argument("--lower-only", action="store_true",
                     help="lower for CUDA instead of compiling (no plugin needed: the tests)")
+    ap.add_argument("--ptxas", metavar="DIR",
+                    help="dump XLA's PTX to DIR and report each kernel's registers and "
+                         "spills (ptxas -v)")
     args = ap.parse_args()
+    if args.ptxas:   # (before JAX starts its backends)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_dump_to={args.ptxas}").strip()
     device = None if args.lower_only else h200_device()
     env = {**env_info(), "target": "lowered for CUDA" if device is None else "H200, deviceless"}
     for row in kernel_rows(device, tuple(args.kv_dtype)):
         print(json.dumps({**row, **env}), flush=True)
     if not args.kernel_only:
         for row in program_rows(device, args.batch, args.models):
+            print(json.dumps({**row, **env}), flush=True)
+    if args.ptxas and device is not None:
+        for row in ptxas_rows(args.ptxas):
             print(json.dumps({**row, **env}), flush=True)
 
 

@@ -259,7 +259,8 @@ def kernel(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R, *, splits: int = 1,
     out = pl.pallas_call(
         partial(_kernel, splits=splits, per=per, quantized=quantized),
         grid=(r, kh, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        interpret=interpret, name=f"photon_decode_attention_s{splits}_p{per}",
+        interpret=interpret,
+        name=f"photon_decode_attention_s{splits}_p{per}_{k_KPTH.dtype.name}_{q_RQH.dtype.name}",
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
     )(*args)
     return out
