@@ -133,7 +133,8 @@ def step_kernels(smoke: bool, work: str) -> None:
     # Our kernel's own tests first (every split and pool dtype against float64 on the GPU).
     cmd = [sys.executable, "-m", "pytest", "tests/test_gpu_attention.py", "tests/test_pool.py",
            "tests/test_gpu_lowering.py", "tests/test_kv8.py", "-k",
-           "gpu_attention or gpu_lowering or pallas or decode_paths or lowers_for_cuda",
+           "(gpu_attention and not warms) or gpu_lowering or pallas or decode_paths or "
+           "lowers_for_cuda",
            "-o", "addopts=", "-q", "-rfEs",
            "-p", "no:cacheprovider"] + (["--collect-only"] if smoke else [])
     code, last = _stream(cmd)

@@ -224,3 +224,29 @@ def test_every_variant_lowers_for_cuda(kh, g):
                                                                             splits=s))
                 text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
                 assert text.count(TRITON) == 1, (dtype, qdt, splits)
+
+
+def test_the_engine_warms_every_split_it_plans_and_never_retraces(tiny_ckpt):
+    """The engine on the GPU kernel (interpreted) compiles at start every (row bucket, split)
+    variant its plan can give; a request long enough to split (an image prompt, ~760
+    positions: 2 splits) then runs without compiling a decode program."""
+    from photon_jax.engine import Engine, Request
+    from photon_jax.model import Model
+    from photon_jax.settings import Settings
+    from test_gpu_lowering import IMAGES
+
+    base = biased_model(tiny_ckpt, {})
+    model = Model(base.cfg, base.params, base.prompts.tok, attention=pallas_attention())
+    eng = Engine(model, max_batch_size=2, max_context=800, page_size=32, warmup=True)
+    try:
+        eng.wait_warm(timeout=900)
+        P = eng.programs
+        want = sum(len(P.split_variants(rb)) for rb in step_mod.row_buckets(2))
+        assert want > 2 and P.forward._cache_size() == want
+        out = eng.submit(Request("text", model.prompts.caption("short"), IMAGES[0],
+                                 Settings(max_tokens=4, temperature=0))).result(timeout=600)
+        assert len(out["ids"]) > 0
+        assert P.decode_splits([760], 32) == 2
+        assert P.forward._cache_size() == want
+    finally:
+        eng.close()
