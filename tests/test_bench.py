@@ -116,6 +116,22 @@ def test_gpu_compile_script_lowers_every_program_without_the_cuda_plugin():
     assert {r["page_size"] for r in kernels} == {16, 32, 64, 128, 256}
 
 
+def test_gpu_traffic_script_counts_both_kernels():
+    """bench/gpu_traffic.py (bench/README's table): JAX's kernel at 1k of a 2k table has half
+    its programs empty and writes 14% of the K/V; ours none empty, and at batch 32 (no
+    split) writes its output only, under the 5% target."""
+    rows = {(r["kernel"], r["batch"]): r for r in run("gpu_traffic.py")}
+    assert set(rows) == {(k, b) for k in ("jax paged_attention", "gpu_attention")
+                         for b in (1, 8, 32)}
+    for b in (1, 8, 32):
+        old, new = rows["jax paged_attention", b], rows["gpu_attention", b]
+        assert old["kv_attended"] == new["kv_attended"]
+        assert 2 * old["empty"] == old["programs"] and new["empty"] == 0
+        assert old["written_over_kv"] > 0.1 > new["written_over_kv"]
+    assert rows["gpu_attention", 32]["splits"] == 1
+    assert rows["gpu_attention", 32]["written_over_kv"] <= 0.05
+
+
 def test_caption_bench_smoke():
     rows = run("caption.py", "--config", "tiny", "--images", "3", "--batch", "2",
                "--max-tokens", "3", "--ckpt-dtype", "float32", "--processes")
