@@ -14,8 +14,10 @@ benchmark (a static trip count: no host round trip on any backend).
 
 `attention` selects the decode attention: "xla" (the in-place sweep of `kvpool`, every
 backend), "cpu-kernel" (our C++ paged-attention kernel through the XLA FFI: `cpukernel`),
-"pallas" (JAX's Pallas GPU paged-attention kernel) or "pallas-interpret" (the same kernel run
-by the Pallas interpreter: tests on CPU).
+"pallas" (our Pallas GPU decode-attention kernel, `gpu_attention`, which replaced JAX's
+paged-attention kernel) or "pallas-interpret" (the same kernel run by the Pallas interpreter:
+tests on CPU).  The GPU kernel's split count is a static argument of the decode programs,
+planned on the host per step (`Programs.decode_splits`).
 
 Input kinds of a decode row (`kind_R`): 0 = token id, 1 = coordinate value, 2 = size value.
 Detect/point feed region values back as embeddings, so one decode program serves text and
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 
 import flax.struct
 
-from . import constraints, cpukernel, kvpool, region, sampling, text, vision
+from . import constraints, cpukernel, gpu_attention, kvpool, region, sampling, text, vision
 from .config import MoondreamConfig
 from .dtypes import F32, jnp_dtype
 from .kvpool import DecodeAccess, KVPool, PrefillAccess
@@ -203,24 +205,35 @@ def _decode(params, cache, kind_R, token_R, value_R2, pos_R, rows_R, prefix_R, k
     return (*out, jax.tree.map(lambda a: a[:, :, 0], routes))
 
 
-def decode_access(meta_FR, pages_2P, *, attention: str, tp=None) -> DecodeAccess:
+# Each decode attention's reader of the pool and whether it writes by scatter (`kvpool`).
+_READERS = {"xla": (kvpool.sweep_attend, False),
+            "cpu-kernel": (kvpool.cpu_kernel_attend, False),
+            "pallas": (kvpool.gpu_kernel_attend, True),
+            "pallas-interpret": (kvpool.gpu_interpret_attend, True)}
+
+
+def decode_access(meta_FR, pages_2P, *, attention: str, splits: int = 1,
+                  tp=None) -> DecodeAccess:
+    attend, scatter = _READERS[attention]
     return DecodeAccess(page_R=meta_FR[M_PAGE], off_R=meta_FR[M_OFF],
                         owner_P=pages_2P[P_OWNER], count_P=pages_2P[P_COUNT],
                         pt_RM=meta_FR[M_TABLE:].T, length_R=meta_FR[M_POS] + 1,
-                        attend=attention, tp=tp)
+                        attend=attend, scatter=scatter, splits=splits, tp=tp)
 
 
-def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_2P, *, cfg,
-             attention="xla", grouped="blocks", dense=False, tp=None):
+def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_2P,
+             splits: int = 1, *, cfg, attention="xla", grouped="blocks", dense=False, tp=None):
     """One decode step for R rows over the arenas given: inputs gathered on the device from
     the pending buffers by row (never through the host), logits and hidden into the slot.
-    `dense`: the dense layers and LM head on `cpukernel.dense` (`default_dense`)."""
+    `dense`: the dense layers and LM head on `cpukernel.dense` (`default_dense`).  `splits`
+    (static): the GPU kernel's split count (`Programs.decode_splits`; 1 for the others)."""
     rows = meta_FR[M_ROW]
     x = input_embeddings(params, cfg, pending.kind[rows], pending.token[rows],
                          pending.value[rows], rows=True)[:, None]
     product = cpukernel.linear if dense and x.shape[0] >= DENSE_MIN_ROWS else linear
     hidden, pool, _ = text.forward(params["text"], cfg.text, x, meta_FR[M_POS][:, None], pool,
-                                   decode_access(meta_FR, pages_2P, attention=attention, tp=tp),
+                                   decode_access(meta_FR, pages_2P, attention=attention,
+                                                 splits=splits, tp=tp),
                                    grouped, dense=product, tp=tp)
     h = hidden[:, 0]
     return pool, _into_slot(slot, h, text.logits(params["text"], h, dense=product, tp=tp))
@@ -310,17 +323,18 @@ def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, samp_FR, 
     return slot, pending
 
 
-def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR, *, cfg,
-             attention="xla", grouped="blocks", dense=False, stochastic=False, region=False,
-             tp=None):
+def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR,
+             splits: int = 1, *, cfg, attention="xla", grouped="blocks", dense=False,
+             stochastic=False, region=False, tp=None):
     """The device-only ceiling: one decode + sample step per entry of the stacked per-step
     metadata, in one `lax.scan` (a static trip count), no host work between steps (token
-    indices advance by one per step)."""
+    indices advance by one per step).  `splits` (static): the GPU kernel's split count for
+    every step (plan it from the last step's lengths: `Programs.decode_splits`)."""
     def body(carry, step):
         pool, slot, pending, i = carry
         meta, pages = step
         samp = samp_FR.at[S_INDEX].add(i)
-        pool, slot = _forward(params, pool, slot, pending, meta, pages, cfg=cfg,
+        pool, slot = _forward(params, pool, slot, pending, meta, pages, splits, cfg=cfg,
                               attention=attention, grouped=grouped, dense=dense, tp=tp)
         slot, pending = _sample_step(params, slot, pending, tables, samp, cfg=cfg,
                                      stochastic=stochastic, region=region)
@@ -421,14 +435,35 @@ class Programs:
     # The engine's programs (slot, pending buffers and KV pool are donated).
     write_prefix_pages: Callable
     copy_pages: Callable
+    # forward(params, pool, slot, pending, meta, pages, splits=1): `splits` is static, one
+    # compile per value (`decode_splits` picks it per step; only the GPU kernel uses it).
     forward: Callable
     prefill_slot: Callable
     # sample_step[(stochastic, region)]: the four static variants of the sampling program.
     sample_step: dict
     ceiling: Callable
+    attention: str = "xla"   # the decode attention forward and ceiling were built with
 
     def sampler(self, stochastic: bool, region: bool) -> Callable:
         return self.sample_step[(stochastic, region)]
+
+    def decode_splits(self, lengths, page_size: int, sms: int | None = None) -> int:
+        """The static `splits` argument of forward / ceiling for a decode step whose real
+        rows attend `lengths` positions: the GPU kernel's plan (`gpu_attention.plan_splits`,
+        `sms` the device's SM count, None: an H200's), 1 for every other attention (their
+        programs take no splits: one compile)."""
+        if not self.attention.startswith("pallas"):
+            return 1
+        t = self.cfg.text
+        return gpu_attention.plan_splits(lengths, t.n_kv_heads, page_size, sms,
+                                         t.n_heads // t.n_kv_heads)
+
+    def split_variants(self, bucket: int, sms: int | None = None) -> tuple:
+        """The `splits` values `decode_splits` can give a step of row bucket `bucket`:
+        what the engine compiles before serving."""
+        if not self.attention.startswith("pallas"):
+            return (1,)
+        return gpu_attention.bucket_variants(bucket, self.cfg.text.n_kv_heads, sms)
 
 
 ATTENTION = ("xla", "cpu-kernel", "pallas", "pallas-interpret")
@@ -499,7 +534,7 @@ class Platform:
     attention: str             # the decode attention (`ATTENTION`)
     sweeps: bool               # decode reads the pool by the arena sweep, not page tables
     shares_prefix: bool        # cached prefix pages are read in place (else copied)
-    kernel_positions: int | None   # most positions one kernel step loads: caps page_size
+    plans_splits: bool         # decode steps take a split plan (the GPU kernel's)
     dense: bool                # decode's dense layers on `cpukernel.dense`
     grouped: str               # the MoE prefill schedule (`moe.schedule`)
     vision_loop: bool          # the vision attention loops over (crop, head) pairs
@@ -533,8 +568,7 @@ def choose(cfg: MoondreamConfig, platform: str, attention: str | None = None,
     sweep = sweeps(attention)
     return Platform(
         name=platform, attention=attention, sweeps=sweep, shares_prefix=not sweep,
-        kernel_positions=(kvpool.kernel_max_positions(cfg.dtype, cfg.text.head_dim)
-                          if attention.startswith("pallas") else None),
+        plans_splits=attention.startswith("pallas"),
         dense=attention == "cpu-kernel" and default_dense(cfg, attention),
         grouped=default_grouped(platform), vision_loop=default_vision_loop(platform),
         host_memory=host_platform(platform), dtype=cfg.dtype, kv_dtype=kv_dtype)
@@ -575,14 +609,15 @@ def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp) -> Progr
         write_prefix_pages=jax.jit(partial(_write_prefix_pages, tp=tp), donate_argnums=(0,)),
         copy_pages=jax.jit(partial(_copy_pages, tp=tp), donate_argnums=(0,)),
         forward=jax.jit(partial(_forward, attention=attention, dense=dense, **e),
-                        donate_argnums=(1, 2)),
+                        static_argnums=(6,), donate_argnums=(1, 2)),
         prefill_slot=jax.jit(partial(_prefill_slot, **e), donate_argnums=(1, 2)),
         sample_step={(st, rg): jax.jit(partial(_sample_step, stochastic=st, region=rg,
                                                candidates=candidates, **c),
                                        donate_argnums=(1, 2))
                      for st in (False, True) for rg in (False, True)},
         ceiling=jax.jit(partial(_ceiling, attention=attention, dense=dense, **e),
-                        donate_argnums=(1, 2, 3)),
+                        static_argnums=(8,), donate_argnums=(1, 2, 3)),
+        attention=attention,
     )
 
 

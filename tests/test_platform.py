@@ -16,10 +16,10 @@ def test_the_record_of_each_platform():
     cfg = moondream2("bfloat16")
     gpu = step.choose(cfg, "gpu")
     assert gpu.attention.startswith("pallas") and not gpu.sweeps and gpu.shares_prefix
-    assert gpu.kernel_positions and gpu.grouped == "ragged" and not gpu.host_memory
+    assert gpu.plans_splits and gpu.grouped == "ragged" and not gpu.host_memory
     assert not gpu.dense and not gpu.vision_loop and gpu.dtype == "bfloat16"
     xla = step.choose(tiny(), "cpu", "xla")
-    assert xla.sweeps and not xla.shares_prefix and xla.kernel_positions is None
+    assert xla.sweeps and not xla.shares_prefix and not xla.plans_splits
     assert xla.host_memory and xla.vision_loop and xla.grouped == "blocks"
     assert step.choose(tiny(), "cpu", "xla", "int8").kv_dtype == "int8"
     with pytest.raises(ValueError, match="attention must be one of"):
