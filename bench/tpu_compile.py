@@ -171,19 +171,18 @@ def serving_args(cfg, batch: int, chip: str | None, kv_cache_tokens=None,
     import jax
     import jax.numpy as jnp
 
-    from photon_jax import kvpool, memory, meta as M, step as step_mod
+    from photon_jax import memory, meta as M, step as step_mod
     from photon_jax.params import abstract_params
     from photon_jax.text import unstack_layers
 
     ctx = cfg.text.max_context
     free = None if chip is None else int(FREE_SHARE * CHIPS[chip]["hbm"])
     mesh = {"mesh_size": chips} if chips > 1 else {}   # (a plan per chip: the mesh sharding)
-    plan = memory.plan(cfg, platform="tpu", max_batch_size=batch, max_context=ctx,
-                       page_size=PAGE, kv_cache_tokens=kv_cache_tokens, free=free, sweep=False,
-                       **mesh)
+    plat = step_mod.choose(cfg, "tpu", ATTENTION)
+    plan = memory.plan(cfg, platform=plat, max_batch_size=batch, max_context=ctx,
+                       page_size=PAGE, kv_cache_tokens=kv_cache_tokens, free=free, **mesh)
     dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes, page_size=PAGE,
-                                        max_batch_size=batch, platform="tpu",
-                                        pack=kvpool.pack_for(ATTENTION, cfg.text.head_dim))
+                                        max_batch_size=batch, platform="tpu", pack=plat.pack)
     width = -(-ctx // PAGE)
     return {"plan": plan, "dev": dev,
             "params": jax.eval_shape(unstack_layers, abstract_params(cfg)),

@@ -244,7 +244,7 @@ def attend(k_pool, v_pool, q_RQH, pt_RM, length_R, *, n_kv_heads: int,
     pool's dtype (float32 pools: full float32 precision).
 
     `interpret`: False (Mosaic, a TPU), True (Pallas's HLO interpreter: the engine's
-    "pallas-tpu-interpret", one XLA program), or "tpu" (the TPU interpreter, stricter --
+    "pallas-tpu-interpret", one XLA program), or "strict" (the TPU interpreter --
     scratch memory starts as NaN, an out-of-bounds copy raises -- but it runs host
     callbacks, which the engine's transfer guard refuses: the kernel tests)."""
     pl_, pltpu_ = _pallas()
@@ -293,7 +293,7 @@ def attend(k_pool, v_pool, q_RQH, pt_RM, length_R, *, n_kv_heads: int,
         # One step per row, in order: a step starts the next row's first DMA.
         compiler_params=pltpu_.CompilerParams(dimension_semantics=("arbitrary",)),
         out_shape=jax.ShapeDtypeStruct((r, rows, g, lanes), F32),
-        interpret=(pltpu_.InterpretParams() if interpret == "tpu" else bool(interpret)),
+        interpret=(pltpu_.InterpretParams() if interpret == "strict" else bool(interpret)),
     )(length_R.astype(jnp.int32), pt_RM.astype(jnp.int32).reshape(-1), q, k_pool, v_pool)
     out = out.reshape(r, rows, g, f, h).transpose(0, 1, 3, 2, 4)
     out = out.reshape(r, rows * f, g, h)[:, :n_kv_heads]

@@ -72,7 +72,7 @@ def test_the_kernel_matches_float64_attention(n_kv, groups, dtype, tol):
     lanes = 128
     got = ta.attend(jnp.asarray(packed(k, lanes), dtype), jnp.asarray(packed(v, lanes), dtype),
                     jnp.asarray(q, dtype), jnp.asarray(pt), jnp.asarray(length),
-                    n_kv_heads=n_kv, interpret="tpu")
+                    n_kv_heads=n_kv, interpret="strict")
     assert got.dtype == jnp.dtype(dtype) and got.shape == (len(length), n_kv * groups * 64)
     want = attention64(k, v, q, pt, length)
     err = np.abs(np.asarray(got, np.float64) - want).max()
@@ -92,13 +92,13 @@ def test_the_kernel_reads_no_page_past_a_rows_length():
     for i, n in enumerate(live):
         bad[i, n:] = 10_000 + i
     args = (jnp.asarray(packed(k, 128)), jnp.asarray(packed(v, 128)), jnp.asarray(q))
-    got = ta.attend(*args, jnp.asarray(bad), jnp.asarray(length), n_kv_heads=2, interpret="tpu")
+    got = ta.attend(*args, jnp.asarray(bad), jnp.asarray(length), n_kv_heads=2, interpret="strict")
     np.testing.assert_allclose(np.asarray(got), attention64(k, v, q, pt, length), atol=2e-6)
     # ... and the same table with a live entry out of bounds is refused: the check bites.
     bad[0, 0] = 10_000
     with pytest.raises(Exception):
         jax.block_until_ready(ta.attend(*args, jnp.asarray(bad), jnp.asarray(length),
-                                        n_kv_heads=2, interpret="tpu"))
+                                        n_kv_heads=2, interpret="strict"))
 
 
 def test_the_kernel_reads_at_most_1_1x_the_attended_bytes_at_moondream_shapes():
@@ -120,7 +120,7 @@ def test_the_tpu_layout_round_trips_through_the_pool_writes_and_gathers():
     for n_kv in (1, 4):
         c = type(cfg)(**{**cfg.__dict__, "n_heads": n_kv, "n_kv_heads": n_kv,
                          "dim": 64 * n_kv})
-        pool = kvpool.init_pool(c, (6,), 16, "float32", pack=kvpool.pack_for("pallas-tpu", 64))
+        pool = kvpool.init_pool(c, (6,), 16, "float32", pack=ta.pack(64))
         assert pool.k[0][0].shape == (-(-n_kv // 2), 6, 16, 128)
         x = np.random.default_rng(1).standard_normal((3, n_kv, 64)).astype(np.float32)
         page, off = np.array([2, 5, 2]), np.array([0, 7, 15])
