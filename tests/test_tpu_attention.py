@@ -135,6 +135,14 @@ def test_the_tpu_layout_round_trips_through_the_pool_writes_and_gathers():
             assert not np.asarray(arena)[..., 64:].any()
 
 
+def test_an_8bit_pool_in_the_tpu_layout_is_refused_by_name():
+    """The TPU kernel reads unquantized pools only: an 8-bit pool in its layout is refused
+    at creation, naming kv_dtype and the way out, not mid-step."""
+    with pytest.raises(ValueError, match="kv_dtype='int8'.*unquantized.*attention='xla'"):
+        kvpool.init_pool(tiny().text, (4,), 16, "int8", pack=2)
+    assert kvpool.init_pool(tiny().text, (4,), 16, "int8").quantized   # elsewhere: fine
+
+
 def test_the_engine_on_the_tpu_kernel_equals_the_default_attention(tiny_ckpt):
     """The engine on "pallas-tpu-interpret" (the pool in the TPU layout: the tiny model's one
     kv head padded to a pair) gives the tokens of the default attention: captions with a
