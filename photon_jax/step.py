@@ -464,7 +464,7 @@ class Programs:
         rows attend `lengths` positions: the GPU kernel's plan (`gpu_attention.plan_splits`,
         `sms` the device's SM count, None: an H200's), 1 for every other attention (their
         programs take no splits: one compile)."""
-        if not self.attention.startswith("pallas"):
+        if self.attention not in GPU_ATTENTION:
             return 1
         t = self.cfg.text
         return gpu_attention.plan_splits(lengths, t.n_kv_heads, page_size, sms,
@@ -473,14 +473,16 @@ class Programs:
     def split_variants(self, bucket: int, sms: int | None = None) -> tuple:
         """The `splits` values `decode_splits` can give a step of row bucket `bucket`:
         what the engine compiles before serving."""
-        if not self.attention.startswith("pallas"):
+        if self.attention not in GPU_ATTENTION:
             return (1,)
         return gpu_attention.bucket_variants(bucket, self.cfg.text.n_kv_heads, sms)
 
 
 ATTENTION = ("xla", "cpu-kernel", "pallas", "pallas-interpret", "pallas-tpu",
              "pallas-tpu-interpret")
-# The decode attentions that read the pool's TPU layout (`tpu_attention.pack` heads a row).
+# The decode attentions of our GPU kernel (split plans) and of our TPU kernel (the pool's
+# TPU layout: `tpu_attention.pack` heads a row).
+GPU_ATTENTION = ("pallas", "pallas-interpret")
 TPU_ATTENTION = ("pallas-tpu", "pallas-tpu-interpret")
 
 
@@ -590,7 +592,7 @@ def choose(cfg: MoondreamConfig, platform: str, attention: str | None = None,
     sweep = sweeps(attention)
     return Platform(
         name=platform, attention=attention, sweeps=sweep, shares_prefix=not sweep,
-        plans_splits=attention in ("pallas", "pallas-interpret"),
+        plans_splits=attention in GPU_ATTENTION,
         pack=tpu_attention.pack(cfg.text.head_dim) if attention in TPU_ATTENTION else 1,
         dense=attention == "cpu-kernel" and default_dense(cfg, attention),
         grouped=default_grouped(platform), vision_loop=default_vision_loop(platform),

@@ -22,6 +22,8 @@ def test_the_record_of_each_platform():
     assert tpu.attention == "pallas-tpu" and tpu.pack == 2 and not tpu.plans_splits
     assert not tpu.sweeps and tpu.shares_prefix and tpu.grouped == "ragged"
     assert gpu.pack == 1 and step.choose(tiny(), "cpu", "pallas-tpu-interpret").pack == 2
+    P = step.build_for(cfg, tpu)   # no GPU split plans: one forward per bucket
+    assert P.decode_splits([2000], 64) == 1 and P.split_variants(1) == (1,)
     xla = step.choose(tiny(), "cpu", "xla")
     assert xla.sweeps and not xla.shares_prefix and not xla.plans_splits
     assert xla.host_memory and xla.vision_loop and xla.grouped == "blocks"
