@@ -16,7 +16,7 @@ from photon_jax import cpukernel, kvpool, memory, meta as M, step as step_mod
 from photon_jax.config import moondream2
 from photon_jax.pages import pages_for
 
-from conftest import FIXTURE_DIR, pallas_attention
+from helpers import FIXTURE_DIR, pallas_attention
 
 FORMATS = ["int8", "float8_e4m3fn"]
 
@@ -295,7 +295,7 @@ def test_a_bad_kv_dtype_is_refused_by_name():
 
 @pytest.fixture(scope="module")
 def model8(tiny_ckpt):
-    from conftest import biased_model
+    from helpers import biased_model
 
     return biased_model(tiny_ckpt, {0: 0.3})
 
