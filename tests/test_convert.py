@@ -18,7 +18,7 @@ import pytest
 import photon_jax.checkpoint as checkpoint
 from photon_jax.config import FORMAT_VERSION, tiny
 from photon_jax.convert import ConvertError, convert
-from photon_jax.convert.cli import main
+from photon_jax.cli.convert import main
 from photon_jax.params import flatten
 
 from helpers import BAD_SNAPSHOTS, BF16, make_hf, read_safetensors, write_safetensors

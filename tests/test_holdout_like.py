@@ -6,7 +6,7 @@ import pytest
 
 from photon_jax import Moondream
 from photon_jax.config import MoondreamConfig
-from photon_jax.convert.cli import main
+from photon_jax.cli.convert import main
 
 from helpers import make_hf, odd_images, random_hf_tensors
 

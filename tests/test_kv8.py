@@ -346,7 +346,7 @@ def test_engine_pipelined_equals_blocking_and_cache_hits_equal_misses(model8, fm
 
 def test_a_bad_kv_dtype_is_refused_by_the_engine_load_and_the_cli(model8, tiny_ckpt, capsys):
     from photon_jax.api import Moondream
-    from photon_jax.caption import build_parser
+    from photon_jax.cli.caption import build_parser
     from photon_jax.engine import Engine
 
     with pytest.raises(ValueError, match="kv_dtype must be one of"):

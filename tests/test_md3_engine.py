@@ -8,7 +8,7 @@ import pytest
 
 from photon_jax import Moondream, reference
 from photon_jax.config import from_hf_config_json
-from photon_jax.convert.cli import main
+from photon_jax.cli.convert import main
 from photon_jax.engine import Engine, Request
 from photon_jax.settings import Settings
 

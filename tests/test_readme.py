@@ -73,11 +73,10 @@ def test_every_moondream_load_keyword_in_the_readme_exists():
 
 
 def test_every_command_line_flag_in_the_readme_exists():
-    from photon_jax import caption, serve
-    from photon_jax.convert import cli
+    from photon_jax.cli import caption, convert, serve
 
     ours = set()
-    for parser in (caption.build_parser(), serve.build_parser(), cli.build_parser()):
+    for parser in (caption.build_parser(), serve.build_parser(), convert.build_parser()):
         ours |= {o for a in parser._actions for o in a.option_strings}
     bench = "".join(open(f).read() for f in glob.glob(os.path.join(ROOT, "bench", "*.py")))
     other = {"--no-deps", "--local-dir", "--help"}   # pip's and hf's

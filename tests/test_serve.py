@@ -20,7 +20,7 @@ import uvicorn
 from PIL import Image
 
 from photon_jax import Moondream
-from photon_jax.serve import ServeConfig, create_app
+from photon_jax.cli.serve import ServeConfig, create_app
 
 from helpers import FIXTURE_DIR, in_threads
 
@@ -250,7 +250,7 @@ def test_models_health_metrics(live):
 def test_health_is_503_until_the_model_is_loaded():
     import asyncio
 
-    from photon_jax.serve import Server
+    from photon_jax.cli.serve import Server
     gate, model = threading.Event(), object()
     srv = Server(lambda: gate.wait(30) and model, ServeConfig())
     assert asyncio.run(srv.health(None)).status_code == 503
@@ -504,7 +504,7 @@ def test_cli_serves_and_stops_gracefully_on_sigterm(tiny_ckpt, tmp_path):
 
     port = _free_port()
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "photon_jax.serve", "--model", tiny_ckpt,
+    proc = subprocess.Popen([sys.executable, "-m", "photon_jax.cli.serve", "--model", tiny_ckpt,
                              "--port", str(port), "--batch-size", "4", "--no-warmup",
                              "--log-level", "warning", "--grace", "20"],
                             stdout=log, stderr=subprocess.STDOUT)
@@ -547,7 +547,7 @@ def test_cli_serves_and_stops_gracefully_on_sigterm(tiny_ckpt, tmp_path):
             proc.wait(10)
         log.close()
     # A model that cannot load stops the server with exit status 1.
-    bad = subprocess.run([sys.executable, "-m", "photon_jax.serve", "--model",
+    bad = subprocess.run([sys.executable, "-m", "photon_jax.cli.serve", "--model",
                           str(tmp_path / "missing"), "--port", str(_free_port()),
                           "--log-level", "critical"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "failed to load" in bad.stderr
