@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Union
 import jax
 from tqdm.auto import tqdm
 
-from . import aio, compile_cache as compile_cache_mod, kvpool, memory, sources, step
+from . import aio, compile_cache as compile_cache_mod, kvpool, memory, sharding, sources, step
 from .config import MoondreamConfig
 from .engine import Engine
 from .request import Handle, Request
@@ -78,7 +78,8 @@ class Moondream:
              max_context: int | None = None, kv_cache_tokens: int | None = None,
              prefix_cache: bool = True, device=None, workers: int = 2,
              compile_cache: bool = True, warmup: bool = False,
-             attention: str | None = None, kv_dtype: str | None = None) -> "Moondream":
+             attention: str | None = None, kv_dtype: str | None = None, mesh=None,
+             tensor_parallel: int | None = None) -> "Moondream":
         """Load a model and start its engine.  `path`: a directory written by
         `photon-convert`, a Hugging Face snapshot directory (config.json + model.safetensors
         or a sharded index), or a hub id such as "vikhyatk/moondream2" (`revision`: a branch,
@@ -114,9 +115,21 @@ class Moondream:
             about half a bfloat16 pool's bytes per token, so ~1.9x the tokens in the same
             memory; decode reads half the KV bytes).  Results differ slightly from the
             unquantized cache (bench/README.md, "8-bit KV cache").
+        mesh: a `jax.sharding.Mesh` with one axis named "model": one engine over its
+            devices, the weights split by output columns (experts by expert), the KV pool by
+            kv heads; results equal one device's token for token (`photon_jax.sharding`).
+        tensor_parallel: K, shorthand for a mesh over the first K local devices.
         Nothing is downloaded but a hub id's files missing from the Hugging Face cache (and
         the starmie tokenizer, when the snapshot lacks it), unless HF_HUB_OFFLINE is set.
         """
+        if tensor_parallel is not None:
+            if mesh is not None:
+                raise ValueError("pass mesh or tensor_parallel, not both")
+            mesh = sharding.make_mesh(tensor_parallel)
+        if mesh is not None:
+            sharding.check_mesh(mesh)
+            if device is not None:
+                raise ValueError("pass device or mesh / tensor_parallel, not both")
         path = sources.resolve(path, revision=revision, dtype=dtype)
         if compile_cache:
             compile_cache_mod.enable()
@@ -134,12 +147,13 @@ class Moondream:
                                      page_size=64, kv_cache_tokens=kv_cache_tokens,
                                      free=memory.device_free(dev), kv_dtype=kv,
                                      sweep=step.sweeps(attention or
-                                                       step.default_attention(dev.platform))),
+                                                       step.default_attention(dev.platform)),
+                                     mesh_size=1 if mesh is None else mesh.size),
                          cfg, max_context=max_context or cfg.text.max_context,
                          weights_loaded=False)
 
         model = Model.load(os.fspath(path), dtype=dtype, device=device, attention=attention,
-                           preflight=preflight)
+                           mesh=mesh, preflight=preflight)
         engine = Engine(model, max_batch_size=max_batch_size, max_context=max_context,
                         kv_cache_tokens=kv_cache_tokens, prefix_cache=prefix_cache,
                         pipelined=pipelined, workers=workers, warmup=warmup,

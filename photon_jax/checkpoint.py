@@ -67,11 +67,16 @@ def save_params(path: str, params: dict) -> None:
     ck.wait_until_finished()
 
 
-def restore_params(path: str, cfg: MoondreamConfig, dtype=None, device=None) -> dict:
+def restore_params(path: str, cfg: MoondreamConfig, dtype=None, device=None, tp=None) -> dict:
+    """The params onto `device`, or with `tp` (`sharding.TensorParallel`) each array straight
+    onto the chips of its mesh that hold it (no chip ever holds the whole model)."""
     import orbax.checkpoint as ocp
 
     device = device or jax.devices()[0]
     target = abstract_params(cfg, dtype or cfg.dtype,
                              sharding=jax.sharding.SingleDeviceSharding(device))
+    if tp is not None:
+        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              target, tp.param_shardings(target))
     ck = ocp.StandardCheckpointer()
     return ck.restore(os.path.abspath(os.path.join(path, "params")), target)

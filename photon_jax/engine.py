@@ -118,14 +118,17 @@ class Engine:
                     f"(its K/V tiles live in shared memory); use page_size={most} or less")
         self.model, self.cfg, self.programs = model, cfg, model.programs
         self.max_batch_size, self.max_context, self.pipelined = max_batch_size, ctx, pipelined
-        self.device = model.device
+        # The device (the mesh's first, for its platform and free memory) and where host
+        # data for a program goes: that device, or replicated over the mesh.
+        self.device, self.placement = model.device, model.placement
         # Memory: planned from shapes and the device's free memory (the weights are placed
         # already), refused with numbers if it cannot work.
         self.plan = memory.check(
             memory.plan(cfg, platform=self.device.platform, max_batch_size=max_batch_size,
                         max_context=ctx, page_size=page_size, kv_cache_tokens=kv_cache_tokens,
                         free=memory.device_free(self.device), weights_loaded=True,
-                        sweep=step_mod.sweeps(model.attention), kv_dtype=self.kv_dtype),
+                        sweep=step_mod.sweeps(model.attention), kv_dtype=self.kv_dtype,
+                        mesh_size=1 if model.tp is None else model.tp.n),
             cfg, max_context=ctx, weights_loaded=True)
         self.page_size, self.arenas = page_size, self.plan.arenas
         self.sweep = step_mod.sweeps(model.attention)   # page owners uploaded per step
@@ -133,7 +136,7 @@ class Engine:
         self.dev = step_mod.DeviceState.init(cfg, arena_sizes=self.arenas.sizes,
                                              page_size=page_size,
                                              max_batch_size=max_batch_size, device=self.device,
-                                             kv_dtype=self.kv_dtype)
+                                             kv_dtype=self.kv_dtype, tp=model.tp)
         self.sched = Scheduler(max_batch_size=max_batch_size, n_pages=self.arenas.n_pages,
                                page_size=page_size, prefix_len=cfg.prefix_len,
                                prefill_tokens=prefill_tokens, prefix_cache=prefix_cache,
@@ -336,17 +339,17 @@ class Engine:
         Every row is the dummy row and page 0: nothing real is touched."""
         P, params = self.programs, self.model.params
         for rb in step_mod.row_buckets(self.max_batch_size):
-            meta = jax.device_put(np.zeros((4 + self.max_pages, rb), _I32), self.device)
+            meta = jax.device_put(np.zeros((4 + self.max_pages, rb), _I32), self.placement)
             samp = np.zeros((step_mod.S_ALLOW + 1, rb), _I32)
             samp[step_mod.S_ALLOW] = -1
-            samp = jax.device_put(samp, self.device)
+            samp = jax.device_put(samp, self.placement)
             for n in range(1, self.arenas_count + 1):
                 pages = np.zeros((2, self.arenas.pages_in(n) if self.sweep else 1), _I32)
                 pages[0] = rb
                 dev = self.dev
                 part, dev.slots[0] = P.forward(params, dev.pool.arenas(n), dev.slots[0],
                                                dev.pending, meta,
-                                                jax.device_put(pages, self.device))
+                                                jax.device_put(pages, self.placement))
                 dev.pool = dev.pool.merge(part)
             for sampler in P.sample_step.values():
                 dev = self.dev
@@ -361,7 +364,7 @@ class Engine:
         4:3, 3:4 and square images of at least 756 pixels a side (the common photo shapes;
         other layouts compile when first seen).  Padding rows write page 0 only."""
         P, params, cfg = self.programs, self.model.params, self.cfg
-        put = lambda a: jax.device_put(a, self.device)  # noqa: E731
+        put = lambda a: jax.device_put(a, self.placement)  # noqa: E731
         for rb in step_mod.prefill_row_buckets(self.max_batch_size):
             for tb in (16, 32):
                 for start in (cfg.prefix_len, 0):
@@ -485,7 +488,7 @@ class Engine:
 
     def _write_prefix(self, enc: ImagePrefix, pages: list[int]) -> None:
         page_s, off_s = self._prefix_slots(pages)
-        put = lambda a: jax.device_put(a, self.device)  # noqa: E731
+        put = lambda a: jax.device_put(a, self.placement)  # noqa: E731
         self.dev.pool = self.programs.write_prefix_pages(self.dev.pool, enc.k, enc.v,
                                                          put(page_s), put(off_s))
 
@@ -494,7 +497,7 @@ class Engine:
         own: all of them for the XLA sweep, the last, partial one for the kernels."""
         a, b = self.sched.n_shared(s), self.sched.prefix_pages
         if b > a:
-            put = lambda x: jax.device_put(np.asarray(x, _I32), self.device)  # noqa: E731
+            put = lambda x: jax.device_put(np.asarray(x, _I32), self.placement)  # noqa: E731
             self.dev.pool = self.programs.copy_pages(self.dev.pool, put(entry.pages[a:b]),
                                                      put(s.pages[a:b]))
 
@@ -519,7 +522,7 @@ class Engine:
         pre, write, table = pack_prefill([s.row for s in batch], starts, starts, lens,
                                          [s.pages for s in batch], rb, tb, kv_len,
                                          self.page_size)
-        put = lambda a: jax.device_put(a, self.device)  # noqa: E731
+        put = lambda a: jax.device_put(a, self.placement)  # noqa: E731
         with hostsync.sync_free():
             for s in batch:
                 src, img = s.source, s.image
@@ -555,11 +558,11 @@ class Engine:
                                             [s.pages for s in rows], rb, self.max_pages,
                                             self.page_size, self.arenas, owners=self.sweep)
         with hostsync.sync_free():
-            meta_d = jax.device_put(meta, self.device)
+            meta_d = jax.device_put(meta, self.placement)
             dev = self.dev
             part, dev.slots[slot] = self.programs.forward(
                 self.model.params, dev.pool.arenas(n_arenas), dev.slots[slot], dev.pending,
-                meta_d, jax.device_put(pages, self.device))
+                meta_d, jax.device_put(pages, self.placement))
             dev.pool = dev.pool.merge(part)
         self.sched.start_decode(rows)
         st = _Step("decode", slot, rows, index, meta_d)
@@ -606,7 +609,7 @@ class Engine:
         sampler = self.programs.sampler(bool(np.any(temps > 0)), bool(np.isin(
             samp[step_mod.S_CONSTRAINT, :len(st.seqs)], constraints.REGION).any()))
         with hostsync.sync_free():
-            samp_d = jax.device_put(samp, self.device)
+            samp_d = jax.device_put(samp, self.placement)
             dev = self.dev
             dev.slots[st.slot], dev.pending = sampler(
                 self.model.params, dev.slots[st.slot], dev.pending, dev.tables, samp_d)

@@ -76,7 +76,7 @@ def prepare_image(model, img, skip_crops_for: Container[bytes] = frozenset()) ->
         return PreparedImage(key, tiling)
     crops = image_mod.make_crops(rgb, model.cfg.vision)
     src, ph, pw = image_mod.pool_operands(crops.tiling, model.cfg.vision)
-    put = partial(jax.device_put, device=model.device)
+    put = partial(jax.device_put, device=model.placement)
     return PreparedImage(key, crops.tiling, put(crops.crops), put(src), put(ph), put(pw))
 
 

@@ -464,14 +464,18 @@ class PrefillAccess:
     pt_RM: jax.Array
     prefix_R: jax.Array
 
+    tp: object = flax.struct.field(pytree_node=False, default=None)
+
     def update(self, pool: KVPool, li: int, q, k, v, pos_RT):
-        ks, vs, ksc, vsc = pool.layer(li)
+        return _on_layer(self, pool, li, q, k, v, pos_RT)
+
+    def _layer(self, arrays, q, k, v, pos_RT):
+        ks, vs, ksc, vsc = arrays
         ks, ksc = write_tokens_q(ks, ksc, self.page_RT, self.off_RT, k)
         vs, vsc = write_tokens_q(vs, vsc, self.page_RT, self.off_RT, v)
         kv_len = self.pt_RM.shape[1] * ks[0].shape[2]
         mask = attention_mask(pos_RT, self.prefix_R, kv_len)
-        return (_replace_layer(pool, li, ks, vs, ksc, vsc),
-                prefill_attend(ks, vs, q, self.pt_RM, mask, ksc, vsc))
+        return (ks, vs, ksc, vsc), prefill_attend(ks, vs, q, self.pt_RM, mask, ksc, vsc)
 
 
 @flax.struct.dataclass
@@ -488,9 +492,13 @@ class DecodeAccess:
     pt_RM: jax.Array
     length_R: jax.Array
     attend: str = flax.struct.field(pytree_node=False, default="xla")
+    tp: object = flax.struct.field(pytree_node=False, default=None)
 
     def update(self, pool: KVPool, li: int, q, k, v, pos_RT):
-        ks, vs, ksc, vsc = pool.layer(li)
+        return _on_layer(self, pool, li, q, k, v, pos_RT)
+
+    def _layer(self, arrays, q, k, v, pos_RT):
+        ks, vs, ksc, vsc = arrays
         if self.attend.startswith("pallas"):   # GPU: one scatter per arena (one kernel)
             ks, ksc = write_tokens_q(ks, ksc, self.page_R, self.off_R, k[:, 0])
             vs, vsc = write_tokens_q(vs, vsc, self.page_R, self.off_R, v[:, 0])
@@ -513,7 +521,23 @@ class DecodeAccess:
             a = kernel_attend(ks, vs, q[:, 0], self.pt_RM, self.length_R,
                               interpret=self.attend == "pallas-interpret",
                               scales_k=ksc, scales_v=vsc)
-        return _replace_layer(pool, li, ks, vs, ksc, vsc), a[:, None]
+        return (ks, vs, ksc, vsc), a[:, None]
+
+
+def _on_layer(access, pool: KVPool, li: int, q, k, v, pos_RT):
+    """Write layer li's new K/V and attend, through `access._layer`: on one device
+    directly; over a mesh (`access.tp`, `sharding.TensorParallel`) on each chip's kv heads."""
+    arrays = pool.layer(li)
+    if access.tp is None:
+        arrays, a = access._layer(arrays, q, k, v, pos_RT)
+    else:
+        def local(arrays, heads, rest):
+            acc, pos = rest
+            arrays, a = acc._layer(arrays, *heads, pos)
+            return arrays, a.reshape(*a.shape[:2], -1)
+        arrays, a = access.tp.on_heads(local, k.shape[2], arrays, (q, k, v),
+                                       (access.replace(tp=None), pos_RT))
+    return _replace_layer(pool, li, *arrays), a
 
 
 def _replace_layer(pool: KVPool, li: int, ks: tuple, vs: tuple, ksc=None, vsc=None) -> KVPool:

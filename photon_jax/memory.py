@@ -15,6 +15,10 @@ Default pool (`kv_cache_tokens=None`):
 An 8-bit pool (`kv_dtype`, `kvpool.QUANTIZED`) costs its code bytes plus a float32 scale per
 (kv head, position): 68 bytes per head and position at head dim 64 against 128 in bfloat16,
 so the same bytes hold 1.88x the positions (3.76x against float32).
+
+Over a mesh (`mesh_size` chips, `sharding`), every figure is per chip: each split weight
+counts 1/n, the replicated ones whole, and the pool 1/n when its kv heads divide over the
+chips; the pool is then sized from the first chip's free memory.
 """
 
 from __future__ import annotations
@@ -45,19 +49,27 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def bytes_per_token(cfg: MoondreamConfig, dtype=None, kv_dtype=None) -> int:
+def bytes_per_token(cfg: MoondreamConfig, dtype=None, kv_dtype=None, mesh_size: int = 1) -> int:
     """K + V of one position over every layer (`kv_dtype` an 8-bit format: codes and
-    scales; None: the pool in the model's dtype)."""
+    scales; None: the pool in the model's dtype), on one chip of a `mesh_size` mesh."""
     from .kvpool import position_bytes
 
-    return position_bytes(cfg.text, kv_dtype or canonical(dtype or cfg.dtype))
+    full = position_bytes(cfg.text, kv_dtype or canonical(dtype or cfg.dtype))
+    split = mesh_size > 1 and cfg.text.n_kv_heads % mesh_size == 0
+    return full // mesh_size if split else full
 
 
-def weight_bytes(cfg: MoondreamConfig, dtype=None) -> int:
+def weight_bytes(cfg: MoondreamConfig, dtype=None, mesh_size: int = 1) -> int:
+    """The weights' bytes (on one chip of a `mesh_size` mesh: `sharding.param_spec`)."""
     from .params import abstract_params
+    from .sharding import param_axis_split
 
-    return int(sum(np.prod(x.shape) * x.dtype.itemsize
-                   for x in jax.tree.leaves(abstract_params(cfg, dtype or cfg.dtype))))
+    def on_chip(kp, x):
+        nbytes = int(np.prod(x.shape)) * x.dtype.itemsize
+        return nbytes // mesh_size if param_axis_split(kp, x.shape, mesh_size) else nbytes
+
+    return sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(
+        on_chip, abstract_params(cfg, dtype or cfg.dtype))))
 
 
 def slot_bytes(cfg: MoondreamConfig, max_batch_size: int, dtype=None) -> int:
@@ -94,6 +106,7 @@ class MemoryPlan:
     kv_cache_tokens: int      # positions the pool holds (usable pages x page size)
     page_size: int
     arenas: Arenas
+    mesh_size: int = 1        # chips of a tensor-parallel mesh: every figure is per chip
 
     @property
     def total(self) -> int:
@@ -107,7 +120,9 @@ class MemoryPlan:
         cap = "unknown" if self.capacity is None else gib(self.capacity)
         return (f"weights {gib(self.weights)} + KV pool {gib(self.pool)} "
                 f"({self.kv_cache_tokens} tokens) + slots {gib(self.slots)} + workspace "
-                f"{gib(self.workspace)} = {gib(self.total)}; device free {cap}")
+                f"{gib(self.workspace)} = {gib(self.total)}; device free {cap}"
+                + (f" (per chip of a {self.mesh_size}-chip mesh)" if self.mesh_size > 1
+                   else ""))
 
 
 def device_free(device) -> int | None:
@@ -131,14 +146,15 @@ def device_free(device) -> int | None:
 def plan(cfg: MoondreamConfig, *, platform: str, max_batch_size: int, max_context: int,
          page_size: int, kv_cache_tokens: int | None = None, free: int | None = None,
          weights_loaded: bool = False, dtype=None, sweep: bool | None = None,
-         kv_dtype: str | None = None) -> MemoryPlan:
+         kv_dtype: str | None = None, mesh_size: int = 1) -> MemoryPlan:
     """The memory plan of a model on a device with `free` bytes available (None: unknown).
     `weights_loaded`: `free` was measured after the weights were placed.  `sweep`: the
     decode attention is the XLA sweep (several arenas; default on CPU) rather than the
-    Pallas kernel (one arena).  `kv_dtype`: an 8-bit pool (None: the model's dtype)."""
+    Pallas kernel (one arena).  `kv_dtype`: an 8-bit pool (None: the model's dtype).
+    `mesh_size`: the chips of a tensor-parallel mesh; the plan is then per chip."""
     dtype = dtype or cfg.dtype
-    per_tok = bytes_per_token(cfg, dtype, kv_dtype)
-    weights = weight_bytes(cfg, dtype)
+    per_tok = bytes_per_token(cfg, dtype, kv_dtype, mesh_size)
+    weights = weight_bytes(cfg, dtype, mesh_size)
     slots = slot_bytes(cfg, max_batch_size, dtype)
     work = workspace_bytes(cfg, dtype)
     row_pages = pages_for(max_context, page_size)
@@ -168,7 +184,7 @@ def plan(cfg: MoondreamConfig, *, platform: str, max_batch_size: int, max_contex
         sweep = platform == "cpu"
     arenas = Arenas.geometric(n_pages, row_pages) if sweep else Arenas((n_pages,))
     return MemoryPlan(weights, n_pages * page_size * per_tok, slots, work, free,
-                      usable * page_size, page_size, arenas)
+                      usable * page_size, page_size, arenas, mesh_size)
 
 
 def check(p: MemoryPlan, cfg: MoondreamConfig, *, max_context: int, weights_loaded: bool):
@@ -179,7 +195,10 @@ def check(p: MemoryPlan, cfg: MoondreamConfig, *, max_context: int, weights_load
         raise MemoryError_(
             f"the model does not fit the device: {p.describe()}. Lower kv_cache_tokens "
             "(--kv-cache-tokens), max_batch_size (--batch-size) or max_context "
-            "(--max-context), load in bfloat16, or free device memory (other processes; "
+            "(--max-context), load in bfloat16, " + (
+                f"use more chips than the mesh's {p.mesh_size} (tensor_parallel), "
+                if p.mesh_size > 1 else "split it over chips (tensor_parallel), ") +
+            "or free device memory (other processes; "
             "XLA_PYTHON_CLIENT_MEM_FRACTION raises JAX's share of a GPU)")
     if p.kv_cache_tokens < cfg.prefix_len + 1:
         raise MemoryError_(

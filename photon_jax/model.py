@@ -1,9 +1,12 @@
-"""A loaded model: config, params on one device, compiled programs and the tokenizer.
+"""A loaded model: config, params on one device or over a mesh, compiled programs and the
+tokenizer.
 
 The params keep the text layers as lists of per-layer dicts (`text.unstack_layers`): the
 serving programs unroll the layer loop over them.  `attention` picks the decode attention
 (`step.ATTENTION`); by default the Pallas kernel on GPU, our C++ kernel on CPU (the XLA sweep
-where it cannot be built), the XLA sweep elsewhere."""
+where it cannot be built), the XLA sweep elsewhere.  `mesh` (one axis, "model"): the
+params and the engine's programs split over its devices (`sharding`); `placement` is where
+host data for a program goes (the one device, or replicated over the mesh)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import Callable
 
 import jax
 
-from . import checkpoint, step, text
+from . import checkpoint, sharding, step, text
 from .config import MoondreamConfig
 from .dtypes import canonical
 from .tokenizer import Prompts, load_tokenizer
@@ -39,29 +42,54 @@ CPU_DTYPE = "float32"
 
 class Model:
     def __init__(self, cfg: MoondreamConfig, params: dict, tokenizer, device=None,
-                 attention: str | None = None):
+                 attention: str | None = None, mesh=None):
         self.cfg = cfg
-        self.params = text.unstack_layers(params)
-        self.device = resolve_device(device)
+        self.tp = None if mesh is None else sharding.TensorParallel(sharding.check_mesh(mesh))
+        if self.tp is not None:
+            if device is not None:
+                raise ValueError("pass device or mesh, not both")
+            self.device = mesh.devices.flat[0]
+            self.placement = self.tp.replicated
+            params = text.unstack_layers(params)
+            # A no-op for params loaded onto the mesh (`load`); places any others.
+            self.params = jax.device_put(params, self.tp.param_shardings(params))
+        else:
+            self.device = resolve_device(device)
+            self.placement = jax.sharding.SingleDeviceSharding(self.device)
+            self.params = text.unstack_layers(params)
         self.attention = attention or step.default_attention(self.device.platform)
-        self.programs = step.build_for(cfg, self.device.platform, self.attention)
+        self.programs = step.build_for(cfg, self.device.platform, self.attention, tp=self.tp)
         self.prompts = Prompts(tokenizer, cfg.tokenizer)
+
+    @property
+    def mesh(self):
+        return None if self.tp is None else self.tp.mesh
 
     @classmethod
     def load(cls, path: str, *, dtype=None, device=None, attention: str | None = None,
+             mesh=None,
              preflight: Callable[[MoondreamConfig, jax.Device], None] | None = None
              ) -> "Model":
         """dtype None: the checkpoint's dtype on an accelerator; float32 on CPU (`CPU_DTYPE`).
         `attention`: the decode attention (`step.ATTENTION`; None: the device's default).
-        `preflight(cfg, device)` runs before any weight is read (the memory check)."""
+        `mesh`: a `jax.sharding.Mesh` with the one axis "model": each weight is read
+        straight onto the chips that hold it (`sharding`).  `preflight(cfg, device)` runs
+        before any weight is read (the memory check; `device`: the mesh's first)."""
         path = os.fspath(path)
         cfg = checkpoint.read_config(path)
-        dev = resolve_device(device)
+        if mesh is not None:
+            if device is not None:
+                raise ValueError("pass device or mesh, not both")
+            dev = sharding.check_mesh(mesh).devices.flat[0]
+        else:
+            dev = resolve_device(device)
         cfg = cfg.with_dtype(canonical(dtype) if dtype is not None else
                              CPU_DTYPE if dev.platform == "cpu" else cfg.dtype)
         if preflight is not None:
             preflight(cfg, dev)
-        params = text.unstack_layers(checkpoint.restore_params(path, cfg, device=dev),
+        tp = None if mesh is None else sharding.TensorParallel(mesh)
+        params = text.unstack_layers(checkpoint.restore_params(path, cfg, device=dev, tp=tp),
                                      free=True)
         tok = load_tokenizer(os.path.join(path, "tokenizer.json"))
-        return cls(cfg, params, tok, device=dev, attention=attention)
+        return cls(cfg, params, tok, device=None if mesh is not None else dev,
+                   attention=attention, mesh=mesh)

@@ -189,16 +189,20 @@ _APPLY = {"dense": _dense, "gather": _gather, "blocks": _blocks, "ragged": _ragg
 
 
 def moe_mlp(p, x_TD, k: int, with_routes: bool = False, grouped: str = "blocks",
-            schedule_: str | None = None, unroll: bool = False):
+            schedule_: str | None = None, unroll: bool = False, tp=None):
     """The mixture-of-experts MLP on [..., D] inputs; `with_routes` also returns the routing
     (ids, weights), each [..., k].  `grouped`: the prefill schedule ("blocks" on CPU,
     "ragged" on GPU); `schedule_` forces one (tests, benchmarks); `unroll` unrolls the block
-    loop (so XLA's cost analysis, which counts a loop body once, sees every block)."""
+    loop (so XLA's cost analysis, which counts a loop body once, sees every block).  `tp`:
+    experts split over a mesh (`sharding.TensorParallel.experts`; None: one device)."""
     lead, d = x_TD.shape[:-1], x_TD.shape[-1]
     x = x_TD.reshape(-1, d)
     ids, w = route(p, x, k)
     how = schedule_ or schedule(x.shape[0], p["fc1"].shape[0], k, grouped)
-    y = _blocks(p, x, ids, unroll) if how == "blocks" else _APPLY[how](p, x, ids)
+    def apply(w, x, ids):
+        return _blocks(w, x, ids, unroll) if how == "blocks" else _APPLY[how](w, x, ids)
+
+    y = apply(p, x, ids) if tp is None else tp.experts(apply, p, x, ids)
     out = _mix(y, w, x.dtype).reshape(*lead, d)
     if with_routes:
         return out, (ids.reshape(*lead, k), w.reshape(*lead, k))

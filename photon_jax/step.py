@@ -89,10 +89,17 @@ class DeviceState:
 
     @classmethod
     def init(cls, cfg: MoondreamConfig, *, arena_sizes: tuple, page_size: int,
-             max_batch_size: int, device=None, kv_dtype: str | None = None) -> "DeviceState":
+             max_batch_size: int, device=None, kv_dtype: str | None = None,
+             tp=None) -> "DeviceState":
         """Zeroed buffers, committed to `device` (a program first called with uncommitted
         arrays compiles again for the committed ones its outputs are).  `kv_dtype`: an 8-bit
-        pool (`kvpool.QUANTIZED`), None = the model's dtype."""
+        pool (`kvpool.QUANTIZED`), None = the model's dtype.  `tp` (a mesh's layout,
+        `sharding.TensorParallel`): made in place on the mesh, the pool split by kv heads,
+        the rest replicated."""
+        if tp is not None:
+            build = partial(cls._build, cfg, arena_sizes, page_size, max_batch_size, kv_dtype,
+                            tp.mesh.devices.flat[0].platform)
+            return jax.jit(build, out_shardings=cls.shardings(jax.eval_shape(build), cfg, tp))()
         with jax.default_device(device):
             state = cls._build(cfg, arena_sizes, page_size, max_batch_size, kv_dtype,
                                None if device is None else device.platform)
@@ -115,6 +122,15 @@ class DeviceState:
                    init_pending(max_batch_size + 1),
                    Tables(**{k: jnp.asarray(v) for k, v in constraints.tables(
                        cfg.tokenizer, cfg.text.vocab_size).items()}))
+
+    @staticmethod
+    def shardings(state: "DeviceState", cfg: MoondreamConfig, tp) -> "DeviceState":
+        """Where each buffer lives on `tp`'s mesh: the pool by kv heads (when they divide
+        over the mesh), everything else replicated."""
+        pool = jax.sharding.NamedSharding(tp.mesh, tp.pool_spec(cfg.text.n_kv_heads))
+        rest = jax.tree.map(lambda _: tp.replicated,
+                            (state.slots, state.pending, state.tables))
+        return DeviceState(jax.tree.map(lambda _: pool, state.pool), *rest)
 
     def nbytes(self) -> dict:
         """Bytes per part: {"pool", "slots", "pending", "tables"}."""
@@ -186,15 +202,15 @@ def _decode(params, cache, kind_R, token_R, value_R2, pos_R, rows_R, prefix_R, k
     return (*out, jax.tree.map(lambda a: a[:, :, 0], routes))
 
 
-def decode_access(meta_FR, pages_2P, *, attention: str) -> DecodeAccess:
+def decode_access(meta_FR, pages_2P, *, attention: str, tp=None) -> DecodeAccess:
     return DecodeAccess(page_R=meta_FR[M_PAGE], off_R=meta_FR[M_OFF],
                         owner_P=pages_2P[P_OWNER], count_P=pages_2P[P_COUNT],
                         pt_RM=meta_FR[M_TABLE:].T, length_R=meta_FR[M_POS] + 1,
-                        attend=attention)
+                        attend=attention, tp=tp)
 
 
 def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_2P, *, cfg,
-             attention="xla", grouped="blocks", dense=False):
+             attention="xla", grouped="blocks", dense=False, tp=None):
     """One decode step for R rows over the arenas given: inputs gathered on the device from
     the pending buffers by row (never through the host), logits and hidden into the slot.
     `dense`: the dense layers and LM head on `cpukernel.dense` (`default_dense`)."""
@@ -203,10 +219,10 @@ def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_
                          pending.value[rows], rows=True)[:, None]
     product = cpukernel.linear if dense and x.shape[0] >= DENSE_MIN_ROWS else linear
     hidden, pool, _ = text.forward(params["text"], cfg.text, x, meta_FR[M_POS][:, None], pool,
-                                   decode_access(meta_FR, pages_2P, attention=attention),
-                                   grouped, dense=product)
+                                   decode_access(meta_FR, pages_2P, attention=attention, tp=tp),
+                                   grouped, dense=product, tp=tp)
     h = hidden[:, 0]
-    return pool, _into_slot(slot, h, text.logits(params["text"], h, dense=product))
+    return pool, _into_slot(slot, h, text.logits(params["text"], h, dense=product, tp=tp))
 
 
 # Below this many rows a step keeps XLA's products even with `dense`: they are weight-read
@@ -230,7 +246,7 @@ def _into_slot(slot: Slot, h_RD, logits_RV) -> Slot:
 
 
 def _prefill_slot(params, pool: KVPool, slot: Slot, kinds_RT, ids_RT, values_RT2, pre_FR,
-                  write_2RT, table_RM, *, cfg, grouped="blocks"):
+                  write_2RT, table_RM, *, cfg, grouped="blocks", tp=None):
     """Prompt prefill for R rows starting at per-row positions (after an image prefix, or 0
     for text-only prompts), K/V written into the rows' pages; the last real position's
     logits and hidden go into the slot.  Prompt positions of kind coord / size (spatial
@@ -238,10 +254,11 @@ def _prefill_slot(params, pool: KVPool, slot: Slot, kinds_RT, ids_RT, values_RT2
     t = ids_RT.shape[1]
     pos = pre_FR[F_START][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     emb = input_embeddings(params, cfg, kinds_RT, ids_RT, values_RT2)
-    access = PrefillAccess(write_2RT[0], write_2RT[1], table_RM, pre_FR[F_PREFIX])
-    hidden, pool, _ = text.forward(params["text"], cfg.text, emb, pos, pool, access, grouped)
+    access = PrefillAccess(write_2RT[0], write_2RT[1], table_RM, pre_FR[F_PREFIX], tp=tp)
+    hidden, pool, _ = text.forward(params["text"], cfg.text, emb, pos, pool, access, grouped,
+                                   tp=tp)
     last = jnp.take_along_axis(hidden, pre_FR[F_LAST][:, None, None], axis=1)[:, 0]
-    return pool, _into_slot(slot, last, text.logits(params["text"], last))
+    return pool, _into_slot(slot, last, text.logits(params["text"], last, tp=tp))
 
 
 def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, samp_FR, *, cfg,
@@ -293,7 +310,8 @@ def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, samp_FR, 
 
 
 def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR, *, cfg,
-             attention="xla", grouped="blocks", dense=False, stochastic=False, region=False):
+             attention="xla", grouped="blocks", dense=False, stochastic=False, region=False,
+             tp=None):
     """The device-only ceiling: one decode + sample step per entry of the stacked per-step
     metadata, in one `lax.scan` (a static trip count), no host work between steps (token
     indices advance by one per step)."""
@@ -302,7 +320,7 @@ def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR,
         meta, pages = step
         samp = samp_FR.at[S_INDEX].add(i)
         pool, slot = _forward(params, pool, slot, pending, meta, pages, cfg=cfg,
-                              attention=attention, grouped=grouped, dense=dense)
+                              attention=attention, grouped=grouped, dense=dense, tp=tp)
         slot, pending = _sample_step(params, slot, pending, tables, samp, cfg=cfg,
                                      stochastic=stochastic, region=region)
         return (pool, slot, pending, i + 1), None
@@ -333,7 +351,8 @@ def _region_heads(params, hidden_RD, *, cfg):
             region.size_value(sbin, r.size_out_dim // 2))
 
 
-def _image_kv(params, crops_u8, src, ph, pw, *, cfg, grouped="blocks", vision_loop=False):
+def _image_kv(params, crops_u8, src, ph, pw, *, cfg, grouped="blocks", vision_loop=False,
+              tp=None):
     """An image's prefix KV ([L, 730, K, H] each): encode, project, and prefill BOS + image
     tokens (bidirectional) in a one-row cache of exactly the prefix length."""
     n = cfg.prefix_len
@@ -342,7 +361,7 @@ def _image_kv(params, crops_u8, src, ph, pw, *, cfg, grouped="blocks", vision_lo
     pos = jnp.arange(n, dtype=jnp.int32)[None]
     zero, full = jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32)
     _, cache, _ = text.forward(params["text"], cfg.text, _image_prefix(params, emb, cfg=cfg),
-                               pos, cache, DenseAccess(zero, full, n), grouped)
+                               pos, cache, DenseAccess(zero, full, n), grouped, tp=tp)
     return cache.k[:, 0], cache.v[:, 0]
 
 
@@ -354,10 +373,13 @@ def _write_prefix(cache, k_LPKH, v_LPKH, row):
     return text.KVCache(k, v)
 
 
-def _write_prefix_pages(pool: KVPool, k_LSKH, v_LSKH, page_S, off_S) -> KVPool:
+def _write_prefix_pages(pool: KVPool, k_LSKH, v_LSKH, page_S, off_S, *, tp=None) -> KVPool:
     """An image prefix's dense K/V ([L, S, K, H] each) into pool pages, position s at
     (page_S[s], off_S[s]); an 8-bit pool quantizes them here (once: cache hits copy or share
-    the pages)."""
+    the pages).  Over a mesh, each chip writes its kv heads."""
+    if tp is not None:
+        return tp.on_pool(lambda pool, kv, rest: _write_prefix_pages(pool, *kv, *rest),
+                          k_LSKH.shape[2], pool, (k_LSKH, v_LSKH), (page_S, off_S))
     parts = ([], [], [], [])
     for li in range(len(pool.k)):
         k, v, ks, vs = pool.layer(li)
@@ -368,9 +390,13 @@ def _write_prefix_pages(pool: KVPool, k_LSKH, v_LSKH, page_S, off_S) -> KVPool:
     return KVPool(*(tuple(p) for p in (parts if pool.quantized else parts[:2])))
 
 
-def _copy_pages(pool: KVPool, src_N, dst_N) -> KVPool:
+def _copy_pages(pool: KVPool, src_N, dst_N, *, tp=None) -> KVPool:
     """Whole pages src_N[i] -> dst_N[i] in every layer (a prefix-cache hit), with their
-    scales in an 8-bit pool."""
+    scales in an 8-bit pool.  Over a mesh, each chip copies its kv heads."""
+    if tp is not None:
+        return tp.on_pool(lambda pool, _, rest: _copy_pages(pool, *rest),
+                          pool.k[0][0].shape[0], pool, (), (src_N, dst_N))
+
     def copy(arenas):
         return kvpool.write_pages(arenas, dst_N, kvpool.gather_pages(arenas, src_N))
     return KVPool(*(tuple(copy(a) for a in part) for part in pool._parts()))
@@ -438,14 +464,16 @@ def default_grouped(platform: str) -> str:
 
 def build(cfg: MoondreamConfig, attention: str = "xla",
           candidates: int = sampling.DEFAULT_CANDIDATES, grouped: str = "blocks",
-          vision_loop: bool = False, dense: bool | None = None) -> Programs:
+          vision_loop: bool = False, dense: bool | None = None, tp=None) -> Programs:
     """The jitted programs of one config.  Cached per (config, attention, candidates,
     grouped, vision_loop) (configs are frozen and hashable), so loading the same model again
     -- on another device, in another engine -- reuses the compiled executables instead of
     tracing and compiling anew.  `candidates`: the top-p candidate cap (`sampling`);
     `grouped`: the MoE prefill schedule (`moe.schedule`); `vision_loop`: the vision
     attention's formulation (`default_vision_loop`); `dense`: decode's dense layers on the
-    CPU kernel (None: `default_dense`)."""
+    CPU kernel (None: `default_dense`); `tp`: the engine's programs (forward, prefill,
+    prefix writes and copies, the image prefix) split over a mesh
+    (`sharding.TensorParallel`); the one-request programs stay on one device's layout."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
     if attention == "cpu-kernel":
@@ -458,25 +486,29 @@ def build(cfg: MoondreamConfig, attention: str = "xla",
     elif dense and not default_dense(cfg, attention):
         raise ValueError("dense=True needs attention='cpu-kernel', float32 and a CPU with "
                          "AVX2 and FMA (`default_dense`)")
-    return _build(cfg, attention, candidates, grouped, vision_loop, dense)
+    return _build(cfg, attention, candidates, grouped, vision_loop, dense, tp)
 
 
-def build_for(cfg: MoondreamConfig, platform: str, attention: str | None = None) -> Programs:
+def build_for(cfg: MoondreamConfig, platform: str, attention: str | None = None,
+              tp=None) -> Programs:
     """The programs a device of `platform` ("cpu", "gpu", ...) gets: its default attention
     (or `attention`), MoE prefill schedule and vision attention (`default_*`).  What
-    `Model` builds; the GPU tests and `bench/gpu_compile.py` build a GPU's this way too."""
+    `Model` builds; the GPU tests and `bench/gpu_compile.py` build a GPU's this way too.
+    `tp`: the engine's programs over a mesh (`sharding.TensorParallel`)."""
     return build(cfg, attention or default_attention(platform),
-                 grouped=default_grouped(platform), vision_loop=default_vision_loop(platform))
+                 grouped=default_grouped(platform), vision_loop=default_vision_loop(platform),
+                 tp=tp)
 
 
 @lru_cache(maxsize=16)
-def _build(cfg, attention, candidates, grouped, vision_loop, dense) -> Programs:
+def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp) -> Programs:
     c = {"cfg": cfg}
     g = {"cfg": cfg, "grouped": grouped}   # programs with a text forward (MoE schedules)
+    e = {**g, "tp": tp}                    # the engine's, split over a mesh with `tp`
     return Programs(
         cfg=cfg,
         encode_image=jax.jit(partial(_encode_image, vision_loop=vision_loop, **c)),
-        image_kv=jax.jit(partial(_image_kv, vision_loop=vision_loop, **g)),
+        image_kv=jax.jit(partial(_image_kv, vision_loop=vision_loop, **e)),
         prefill=jax.jit(partial(_prefill, **g), static_argnums=(7,), donate_argnums=(1,)),
         decode=jax.jit(partial(_decode, **g), static_argnums=(8,), donate_argnums=(1,)),
         prefill_routes=jax.jit(partial(_prefill, with_routes=True, **g), static_argnums=(7,),
@@ -488,16 +520,16 @@ def _build(cfg, attention, candidates, grouped, vision_loop, dense) -> Programs:
         sample=jax.jit(partial(sampling.sample, candidates=candidates)),
         greedy=jax.jit(partial(sampling.sample, stochastic=False)),
         write_prefix=jax.jit(_write_prefix, donate_argnums=(0,)),
-        write_prefix_pages=jax.jit(_write_prefix_pages, donate_argnums=(0,)),
-        copy_pages=jax.jit(_copy_pages, donate_argnums=(0,)),
-        forward=jax.jit(partial(_forward, attention=attention, dense=dense, **g),
+        write_prefix_pages=jax.jit(partial(_write_prefix_pages, tp=tp), donate_argnums=(0,)),
+        copy_pages=jax.jit(partial(_copy_pages, tp=tp), donate_argnums=(0,)),
+        forward=jax.jit(partial(_forward, attention=attention, dense=dense, **e),
                         donate_argnums=(1, 2)),
-        prefill_slot=jax.jit(partial(_prefill_slot, **g), donate_argnums=(1, 2)),
+        prefill_slot=jax.jit(partial(_prefill_slot, **e), donate_argnums=(1, 2)),
         sample_step={(st, rg): jax.jit(partial(_sample_step, stochastic=st, region=rg,
                                                candidates=candidates, **c),
                                        donate_argnums=(1, 2))
                      for st in (False, True) for rg in (False, True)},
-        ceiling=jax.jit(partial(_ceiling, attention=attention, dense=dense, **g),
+        ceiling=jax.jit(partial(_ceiling, attention=attention, dense=dense, **e),
                         donate_argnums=(1, 2, 3)),
     )
 

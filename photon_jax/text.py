@@ -173,7 +173,7 @@ def stack_layers(params: dict) -> dict:
 
 
 def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "blocks",
-            dense=linear):
+            dense=linear, tp=None):
     """Run the decoder on input embeddings -> (hidden before post_ln [R, T, D], kv, routes).
 
     `kv` is a dense `KVCache` or the engine's `kvpool.KVPool`; `access` says where each
@@ -181,8 +181,12 @@ def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "bloc
     `kvpool.DecodeAccess`).  `routes`: the MoE routing, (expert ids, weights) each
     [Lm, R, T, k] over the MoE layers in order, or None without MoE layers.  `grouped`: the
     MoE prefill schedule (`moe.schedule`).  `dense`: what computes the dense layers
-    (`layers.linear`; the CPU decode step passes `cpukernel.linear`).
+    (`layers.linear`; the CPU decode step passes `cpukernel.linear`).  `tp`: the layout over
+    a mesh (`sharding.TensorParallel`; None: one device): dense layers by output columns,
+    experts by expert (a pool access carries its own `tp` for the attention).
     """
+    if tp is not None:
+        dense = tp.dense(dense)
     r, t, d = x_RTD.shape
     nh, kh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     x, routes = x_RTD, []
@@ -205,7 +209,7 @@ def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "bloc
         x = x + dense(a.reshape(r, t, nh * hd), p["proj"])
         if kind == "moe":
             m, rt = moe.moe_mlp(p["moe"], h, cfg.moe.experts_per_token, with_routes=True,
-                                grouped=grouped)
+                                grouped=grouped, tp=tp)
             routes.append(rt)
         else:
             m = mlp(h, p, dense)
@@ -215,9 +219,11 @@ def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "bloc
     return x, kv, routes or None
 
 
-def logits(pt, hidden_RD, dense=linear):
+def logits(pt, hidden_RD, dense=linear, tp=None):
     """post_ln + lm_head, float32 logits (rounded through the model dtype first, as the
-    reference's bf16 logits are).  `dense`: as in `forward`."""
+    reference's bf16 logits are).  `dense`, `tp`: as in `forward`."""
+    if tp is not None:
+        dense = tp.dense(dense)
     x = layer_norm(hidden_RD, pt["post_ln"])
     return dense(x, pt["lm_head"]).astype(F32)
 

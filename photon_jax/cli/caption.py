@@ -258,6 +258,18 @@ def request_settings(args) -> dict:
 
 # -- the run ------------------------------------------------------------------------------
 
+def device_groups(devices: list, tensor_parallel: int) -> list[list]:
+    """Consecutive groups of `tensor_parallel` devices: one engine each (over a mesh when
+    the group has more than one device)."""
+    if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise UsageError(f"--tensor-parallel {tensor_parallel!r}: give a positive integer")
+    if len(devices) % tensor_parallel:
+        raise UsageError(f"--tensor-parallel {tensor_parallel}: the {len(devices)} device(s) "
+                         f"of --devices do not split into groups of {tensor_parallel}; "
+                         "pass --devices all or a multiple of it")
+    return [devices[i:i + tensor_parallel] for i in range(0, len(devices), tensor_parallel)]
+
+
 def parse_devices(spec: str):
     """`--devices` ("all" or comma-separated indices) -> a list of local JAX devices."""
     import jax
@@ -445,18 +457,22 @@ def run(args) -> Summary:
         log(f"photon-caption: all {len(items)} images are done (use --overwrite to redo)")
         return Summary(skipped=skipped)
 
+    from .. import sharding
     from ..api import Moondream
     from ..request import EngineError
 
     model_dir = resolve_model(args, log)
     devices = parse_devices(args.devices)
+    groups = device_groups(devices, args.tensor_parallel)
     t_load, load_s = time.perf_counter(), 0.0
     models = []
     interrupted, fatal = False, None
     r = Run(args, todo, sidecars, jsonl)
     try:
-        for d in devices:
-            models.append(Moondream.load(model_dir, dtype=args.dtype, device=d,
+        for g in groups:
+            where = ({"device": g[0]} if len(g) == 1 else
+                     {"mesh": sharding.make_mesh(len(g), devices=g)})
+            models.append(Moondream.load(model_dir, dtype=args.dtype, **where,
                                          max_batch_size=args.batch_size,
                                          max_context=args.max_context,
                                          kv_cache_tokens=args.kv_cache_tokens,
@@ -466,7 +482,9 @@ def run(args) -> Summary:
                                          kv_dtype=args.kv_dtype))
         load_s = time.perf_counter() - t_load
         log(f"photon-caption: {len(todo)} image(s) to do, {skipped} already done; model "
-            f"loaded on {len(devices)} device(s) in {load_s:.1f} s")
+            f"loaded on {len(devices)} device(s) in {load_s:.1f} s"
+            + (f" ({len(groups)} engine(s) of {args.tensor_parallel} devices)"
+               if args.tensor_parallel > 1 else ""))
         r.execute(models, log)
     except KeyboardInterrupt:
         interrupted = True
@@ -559,6 +577,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--devices", default="0",
                     help="'all' (one engine per local device, images dealt round-robin) or "
                          "device indices such as 0 or 0,1")
+    ap.add_argument("--tensor-parallel", type=int, default=1, metavar="K",
+                    help="split one model over K devices (tensor parallel: weights by "
+                         "columns, the KV cache by heads; same captions as one device); with "
+                         "--devices all, one engine per group of K devices")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                     help="compute dtype (default: the checkpoint's on an accelerator, float32 "
                          "on CPU, where XLA runs bfloat16 slower)")

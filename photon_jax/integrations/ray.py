@@ -57,6 +57,7 @@ class Captioner:
     length / prompt: caption length, or a question to ask instead (query mode).
     settings: Moondream settings dict (default: greedy, temperature 0, for datasets).
     batch_size: rows the engine decodes together; make Ray's batch_size at least this.
+    tensor_parallel: K > 1 splits the model over the actor's first K devices (one engine).
     Calls may run concurrently on several threads of the actor (`caption_dataset`'s
     batches_in_flight): each submits its own batch and returns that batch's rows."""
 
@@ -64,7 +65,7 @@ class Captioner:
                  length: str = "normal", prompt: str | None = None,
                  settings: dict | None = None, batch_size: int = 32, dtype=None, device=None,
                  workers: int = 4, prepend: str = "", append: str = "",
-                 keep_image: bool = False):
+                 keep_image: bool = False, tensor_parallel: int | None = None):
         from ..api import Moondream
 
         self.image_column, self.keep_image = image_column, keep_image
@@ -72,7 +73,8 @@ class Captioner:
         self.settings = {"temperature": 0.0, **(settings or {})}
         self.prepend, self.append = prepend, append
         self.md = Moondream.load(checkpoint, dtype=dtype, device=device,
-                                 max_batch_size=batch_size, workers=workers)
+                                 max_batch_size=batch_size, workers=workers,
+                                 tensor_parallel=tensor_parallel)
 
     def __call__(self, batch: dict) -> dict:
         if self.image_column not in batch:
@@ -121,7 +123,8 @@ def caption_dataset(ds, checkpoint: str, *, concurrency: int | tuple[int, int] =
                     num_gpus: float = 0, batch_size: int = 32, batches_in_flight: int = 2,
                     captioner: type = Captioner, **captioner_kwargs):
     """`ds.map_batches` with a pool of Captioner actors (each with `num_gpus` accelerators;
-    0 on CPU), fed batches of `batch_size` rows.
+    0 on CPU), fed batches of `batch_size` rows.  A whole num_gpus K > 1 gives each actor
+    one engine split over its K devices (`tensor_parallel=K`, unless given).
 
     concurrency: the number of actors, or (min, max) for a pool Ray scales between them.
     batches_in_flight: batches each actor works on at once, so up to batches_in_flight x
@@ -130,6 +133,9 @@ def caption_dataset(ds, checkpoint: str, *, concurrency: int | tuple[int, int] =
     captioner: the callable class, `Captioner` or a subclass (one that adds columns, say).
     The other keyword arguments go to the Captioner."""
     import ray.data
+
+    if isinstance(num_gpus, int) and num_gpus > 1:
+        captioner_kwargs.setdefault("tensor_parallel", num_gpus)
 
     if not isinstance(batches_in_flight, int) or batches_in_flight < 1:
         raise ValueError(f"batches_in_flight must be an int >= 1, got {batches_in_flight!r}")

@@ -1,0 +1,163 @@
+"""Run in its own process by tests/test_mesh.py (JAX's CPU device count is fixed when JAX
+starts): every public surface on one device and on a mesh of CPU devices, printed as one
+JSON object per case for the test to compare.
+
+usage: python tests/mesh_check.py DEVICES CASE
+"""
+
+import json
+import os
+import sys
+
+DEVICES, CASE = int(sys.argv[1]), sys.argv[2]
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_force_host_platform_device_count={DEVICES}")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import helpers  # noqa: E402
+from helpers import GREEDY, LAND, MD3_BIASES, SQ  # noqa: E402
+from photon_jax import Moondream  # noqa: E402
+from photon_jax.engine import Engine  # noqa: E402
+from photon_jax.model import Model  # noqa: E402
+
+FIX = os.path.dirname(helpers.FIXTURE_DIR)
+HF2, HF3 = os.path.join(FIX, "moondream2-tiny"), os.path.join(FIX, "moondream3-tiny")
+MESH = Mesh(np.array(jax.devices()[:DEVICES]), ("model",))
+
+
+def with_heads(model: Model, n_heads: int, n_kv_heads: int, seed: int) -> Model:
+    """The model's config with more heads (random weights from `seed`, the same biases as
+    `helpers.biased_model` would give): a pool whose kv heads divide over the mesh."""
+    from dataclasses import replace
+
+    from photon_jax.params import init_params
+
+    cfg = model.cfg   # head dim 64, as Moondream's (RoPE turns its first 32 dims)
+    cfg = replace(cfg, text=replace(cfg.text, dim=64 * n_heads, n_heads=n_heads,
+                                    n_kv_heads=n_kv_heads),
+                  vision=replace(cfg.vision, proj_out_dim=64 * n_heads),
+                  region=replace(cfg.region, dim=64 * n_heads)).validate()
+    params = init_params(jax.random.PRNGKey(seed), cfg)
+    head = params["text"]["lm_head"]
+    # EOS for varied lengths; Moondream 3's coordinate and size ids as in MD3_BIASES.
+    for tok, val in ({0: 1.5} if cfg.text.moe is None else {5: 17.0, 6: 16.0}).items():
+        head["b"] = head["b"].at[tok].add(val)
+    return Model(cfg, params, model.prompts.tok)
+
+
+def on_mesh(model: Model, **kw) -> Model:
+    return Model(model.cfg, model.params, model.prompts.tok, mesh=MESH, **kw)
+
+
+def layout(model: Model) -> dict:
+    """How the model's and its engine's arrays are split (to show the case means what it
+    says)."""
+    p = model.params["text"]
+    layer = p["moe_blocks"][0] if p.get("moe_blocks") else p["blocks"][0]
+    eng = Engine(model, max_batch_size=2, kv_cache_tokens=2048)
+    try:
+        pool = eng.dev.pool.k[0][0]
+        out = {"qkv": str(layer["qkv"]["w"].sharding.spec),
+               "lm_head": str(p["lm_head"]["w_vd"].sharding.spec),
+               "pool": str(pool.sharding.spec),
+               "pool_shard_heads": pool.addressable_shards[0].data.shape[0]}
+        if "moe" in layer:
+            out["experts"] = str(layer["moe"]["fc1"].sharding.spec)
+        return out
+    finally:
+        eng.close()
+
+
+def converted(src: str, out: str) -> str:
+    from photon_jax.convert import convert
+
+    convert(src, out, dtype="float32", log=lambda s: None)
+    return out
+
+
+def collectives(model: Model, rows: int) -> list:
+    """The result shapes of every collective in the compiled decode step of `rows` rows
+    (all-gather, all-reduce, all-to-all, collective-permute)."""
+    import re
+
+    eng = Engine(model, max_batch_size=rows, kv_cache_tokens=2048)
+    try:
+        meta = jax.device_put(np.zeros((4 + eng.max_pages, rows), np.int32), model.placement)
+        pages = jax.device_put(np.zeros((2, 1), np.int32), model.placement)
+        hlo = model.programs.forward.lower(model.params, eng.dev.pool, eng.dev.slots[0],
+                                           eng.dev.pending, meta, pages).compile().as_text()
+    finally:
+        eng.close()
+    pat = re.compile(r"= \w+\[([\d,]*)\][^ ]* (all-gather|all-reduce|all-to-all|"
+                     r"collective-permute)(-start)?\(")
+    return [[int(d) for d in m.group(1).split(",") if d] for m in pat.finditer(hlo)]
+
+
+def main() -> None:
+    import tempfile
+
+    global MD2, MD3
+    tmp = tempfile.mkdtemp(prefix="photon-mesh-")
+    MD2, MD3 = converted(HF2, os.path.join(tmp, "md2")), converted(HF3, os.path.join(tmp, "md3"))
+    out = {}
+    if CASE == "fixtures":
+        # The fixture models (one kv head: the pool stays whole on each chip; the linear
+        # layers and Moondream 3's experts are split), both loops.
+        md2 = helpers.biased_model(MD2, {0: 0.8})
+        md3 = helpers.biased_model(MD3, MD3_BIASES)
+        out["one"] = helpers.run_surfaces([md2, md3], pipelined=True)
+        meshed = [on_mesh(md2), on_mesh(md3)]
+        out["layout"] = [layout(m) for m in meshed]
+        out["mesh_pipelined"] = helpers.run_surfaces(meshed, pipelined=True)
+        out["mesh_blocking"] = helpers.run_surfaces(meshed, pipelined=False)
+    elif CASE == "heads":
+        # Heads that divide over the mesh: the pool and the attention split by kv heads.
+        base2, base3 = Model.load(MD2), Model.load(MD3)
+        md2 = with_heads(base2, DEVICES, DEVICES, 11)
+        md3 = with_heads(base3, DEVICES, DEVICES, 12)
+        out["one"] = helpers.run_surfaces([md2, md3], pipelined=True)
+        meshed = [on_mesh(md2), on_mesh(md3)]
+        out["layout"] = [layout(m) for m in meshed]
+        out["collectives"] = [collectives(m, 8) for m in meshed]
+        out["mesh_pipelined"] = helpers.run_surfaces(meshed, pipelined=True)
+        # A pool too small for every request at once (waiting, prefix-cache eviction),
+        # blocking: results equal "one" all the same.
+        out["mesh_small_pool"] = helpers.run_surfaces(meshed, pipelined=False,
+                                                      kv_cache_tokens=2048)
+    elif CASE == "variants":
+        # GQA (2 query heads per kv head), the XLA sweep and an 8-bit pool, on the mesh.
+        md2 = with_heads(Model.load(MD2), 2 * DEVICES, DEVICES, 13)
+        for name, kw, ekw in (("gqa", {}, {}), ("xla", {"attention": "xla"}, {}),
+                              ("int8", {}, {"kv_dtype": "int8"})):
+            res = []
+            for m in (Model(md2.cfg, md2.params, md2.prompts.tok, **kw),
+                      Model(md2.cfg, md2.params, md2.prompts.tok, mesh=MESH, **kw)):
+                md = Moondream(m, Engine(m, max_batch_size=4, **ekw))
+                try:
+                    res.append([md.caption(LAND, "short", settings=GREEDY),
+                                md.query(SQ, "w5 w6", settings=GREEDY),
+                                md.caption([LAND, SQ, LAND], "short", settings=GREEDY)])
+                finally:
+                    md.engine.close()   # (Moondream.close would free the shared weights)
+            out[name] = res
+    elif CASE == "load":
+        # The documented call: Moondream.load(path, mesh=...) and tensor_parallel=.
+        res = []
+        for kw in ({}, {"mesh": MESH}, {"tensor_parallel": DEVICES}):
+            md = Moondream.load(HF3, max_batch_size=4, compile_cache=False, **kw)
+            try:
+                res.append([md.caption(LAND, "short", settings=GREEDY),
+                            md.detect(LAND, "w7", settings={"max_objects": 2})])
+            finally:
+                md.close()
+        out["load"] = res
+    print("MESH-RESULT " + json.dumps(out, sort_keys=True, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""One engine over a mesh of CPU devices gives one device's results, token for token
+(`photon_jax.sharding`).  JAX fixes its CPU device count when it starts, so each case runs
+`tests/mesh_check.py` in its own process with --xla_force_host_platform_device_count."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_case(devices: int, case: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "mesh_check.py"), str(devices),
+                           case], capture_output=True, text=True, env=env, timeout=1200)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("MESH-RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("MESH-RESULT "):])
+
+
+def assert_same(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key] == want[key], f"{what}: {key} differs"
+
+
+def test_fixtures_on_4_devices_equal_one_device_both_loops():
+    """The fixture models (one kv head: the pool is whole on each chip; linear layers, the
+    LM head and Moondream 3's experts split), every surface, pipelined and blocking."""
+    out = run_case(4, "fixtures")
+    md2, md3 = out["layout"]
+    assert md2["qkv"] == "P(None, 'model')" and md2["lm_head"] == "P('model', None)"
+    assert md2["pool"] == "P()" and md3["experts"] == "P('model', None, None)"
+    assert_same(out["mesh_pipelined"], out["one"], "pipelined")
+    assert_same(out["mesh_blocking"], out["one"], "blocking")
+    # The surfaces produce something to compare (not only empty strings).
+    assert out["one"]["caption"]["caption"] and out["one"]["md3"][2]["objects"]
+
+
+def test_heads_split_over_4_devices_equal_one_device():
+    """Four kv heads over four chips: each chip holds one head's pages and attends it;
+    also under a pool too small for every request at once."""
+    out = run_case(4, "heads")
+    for lay in out["layout"]:
+        assert lay["pool"] == "P('model',)" and lay["pool_shard_heads"] == 1
+    # Chips exchange activations only: every collective of an 8-row decode step moves
+    # something shaped [8 rows, ...] (never a weight or the pool).
+    for shapes in out["collectives"]:
+        assert shapes and all(s[0] == 8 for s in shapes), shapes
+    assert_same(out["mesh_pipelined"], out["one"], "pipelined")
+    assert_same(out["mesh_small_pool"], out["one"], "small pool, blocking")
+    assert out["one"]["caption"]["caption"] and out["one"]["md3"][2]["objects"]
+
+
+@pytest.mark.parametrize("case", ["gqa", "xla", "int8"])
+def test_variants_on_2_devices(variants, case):
+    """GQA (two query heads per kv head), the XLA sweep and an 8-bit pool, split over two
+    chips: the same tokens as one device."""
+    one, mesh = variants[case]
+    assert mesh == one
+
+
+@pytest.fixture(scope="module")
+def variants():
+    return run_case(2, "variants")
+
+
+def test_moondream_load_with_mesh_and_tensor_parallel():
+    """The documented calls: Moondream.load(path, mesh=Mesh(devices[:4], ("model",))) and
+    tensor_parallel=4, on the Moondream 3 fixture's Hugging Face folder."""
+    one, mesh, tp = run_case(4, "load")["load"]
+    assert mesh == one and tp == one
