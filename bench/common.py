@@ -188,7 +188,7 @@ def memory_plan(model, batch: int, page_size: int = 64, kv_cache_tokens: int | N
                        max_context=cfg.text.max_context, page_size=page_size,
                        kv_cache_tokens=kv_cache_tokens, free=None if plat != "cpu" else
                        memory.device_free(jax.devices()[0]),
-                       sweep=step.sweeps(model.attention), kv_dtype=kv_dtype_of(model))
+                       sweep=model.platform.sweeps, kv_dtype=kv_dtype_of(model))
 
 
 def row_tables(batch: int, positions: int, page_size: int) -> list[list[int]]:
@@ -235,12 +235,12 @@ def device_state(model, batch: int, steps: int, page_size: int = 64,
     import jax
     import numpy as np
 
-    from photon_jax import constraints, step as step_mod
+    from photon_jax import constraints, meta as M, step as step_mod
 
     cfg = model.cfg
     plan = memory_plan(model, batch, page_size, positions=start(model, prompt_tokens) + steps)
     metas, pages, n_arenas = decode_metas(model, batch, start(model, prompt_tokens), steps,
-                                          plan, owners=step_mod.sweeps(model.attention))
+                                          plan, owners=model.platform.sweeps)
     dev = step_mod.DeviceState.init(cfg, arena_sizes=plan.arenas.sizes[:n_arenas],
                                     page_size=page_size, max_batch_size=batch,
                                     device=jax.devices()[0], kv_dtype=kv_dtype_of(model))
@@ -250,8 +250,15 @@ def device_state(model, batch: int, steps: int, page_size: int = 64,
     samp[step_mod.S_INDEX] = 1
     samp[step_mod.S_TOP_P] = np.ones(batch, np.float32).view(np.int32)
     samp[step_mod.S_ALLOW] = -1
+    # The GPU kernel's split count, planned from the last step's lengths as the engine
+    # plans each step (1 for the other attentions).
+    d = jax.devices()[0]
+    splits = model.programs.decode_splits(
+        metas[-1][M.M_POS][:batch] + 1, page_size,
+        getattr(d, "core_count", None) if d.platform == "gpu" else None)
     return {"pool": dev.pool, "slot": dev.slots[0], "pending": dev.pending,
-            "tables": dev.tables, "metas": metas, "pages": pages, "samp": samp, "plan": plan, "n_arenas": n_arenas}
+            "tables": dev.tables, "metas": metas, "pages": pages, "samp": samp, "plan": plan,
+            "n_arenas": n_arenas, "splits": splits}
 
 
 # -- bytes: XLA's cost analysis of a decode step, next to its floor -------------------------
@@ -291,10 +298,13 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes[:n_arenas],
                                         page_size=page_size, max_batch_size=batch,
                                         kv_dtype=kv_dtype, platform=platform_)
-    prog = step_mod.build(cfg, attention).forward
+    programs = step_mod.build(cfg, attention)
+    prog = programs.forward
+    # (The GPU kernel's split count as the engine would plan this step; 1 elsewhere.)
     args = (params, dev.pool, dev.slots[0], dev.pending,
             jax.ShapeDtypeStruct(metas[0].shape, jnp.int32),
-            jax.ShapeDtypeStruct(pages[0].shape, jnp.int32))
+            jax.ShapeDtypeStruct(pages[0].shape, jnp.int32),
+            programs.decode_splits([position + 1] * batch, page_size))
     compiled = prog.lower(*args).compile()
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, list) else ca
@@ -324,7 +334,8 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     kernel = 0
     if attention == "cpu-kernel":
         kernel = cpukernel.bytes_accessed(kv, t.n_layers, batch, t.n_heads, t.head_dim)
-        kernel += cpukernel.dense_bytes_accessed(jax.make_jaxpr(prog)(*args))
+        kernel += cpukernel.dense_bytes_accessed(
+            jax.make_jaxpr(prog, static_argnums=(6,))(*args))
     total = xla_bytes + kernel
     return {"batch": batch, "position": position, "page_size": page_size,
             "attention": attention, "bytes_accessed": total, "xla_bytes_accessed": xla_bytes,
@@ -379,7 +390,8 @@ def ceiling_run(model, batch: int, steps: int, warm: bool = False,
 
     def once(pool, slot, pending):
         pool, slot, pending = P.ceiling(model.params, pool, slot, pending, st["tables"],
-                                        put(st["metas"]), put(st["pages"]), put(st["samp"]))
+                                        put(st["metas"]), put(st["pages"]), put(st["samp"]),
+                                        st["splits"])
         jax.block_until_ready(pending)
         return pool, slot, pending
 
@@ -419,7 +431,8 @@ def component_times(model, batch: int, steps: int, reps: int = 5,
 
     def forward():
         nonlocal pool, slot
-        pool, slot = P.forward(model.params, pool, slot, pending, meta_d, pages_d)
+        pool, slot = P.forward(model.params, pool, slot, pending, meta_d, pages_d,
+                               st["splits"])
         return slot
 
     def sample():

@@ -8,19 +8,19 @@ its scheduler -- what `tests/test_gpu_lowering.py` (lowering only) cannot check.
 runs: there are no speeds here, only whether each program compiles and what XLA says of it.
 
 One JSON line per compile, kind "gpu_compile":
-  what = "kernel"   the Pallas paged-attention kernel alone at (page_size, table width,
-                    dtype), with the blocks `kvpool.kernel_blocks` picks (engine_refuses:
-                    a page the engine refuses for that dtype); with --blocks,
-                    also every power-of-2 pages-per-step from 1 to 16 at the widest table
-                    (where the kernel stops fitting the H200's shared memory)
+  what = "kernel"   our decode attention (`gpu_attention`) alone: every split variant at
+                    full Moondream 2 and 3 shapes per pool dtype (bf16, f32, e4m3, int8),
+                    and pages of 16 to 256 positions (`kernel_rows`)
   what = "program"  a serving program at full Moondream 2 / Moondream 3 shapes with a pool
                     from `memory.plan` for the H200's memory: compile seconds, temporaries,
                     and the conditionals and unknown-trip loops in the optimized HLO (each
                     one a host round trip on a GPU)
+  what = "ptxas"    (--ptxas DIR) each compiled kernel's registers and spill bytes, from
+                    ptxas -v over the PTX XLA dumped
   ok, error         whether it compiled, and XLA's or Triton's message if not
 
     pip install "jax[cuda13]==$(python -c 'import jax; print(jax.__version__)')"
-    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu python bench/gpu_compile.py --blocks
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu python bench/gpu_compile.py
     python bench/gpu_compile.py --lower-only --models tiny     # without the plugin (tests)
 
 (The two variables: the plugin's start-up check wants a CUDA driver, and JAX must not try to
@@ -98,58 +98,49 @@ def compile_row(what: str, fn, args, device, **fields) -> dict:
                                        and "known_trip_count" not in ln)}
 
 
-def kernel_rows(device, blocks: bool, kv_dtypes=()):
+# Pool dtypes of the kernel rows: (K/V dtype, query dtype).  8-bit pools take the model's
+# queries (bfloat16 on GPU).
+KERNEL_DTYPES = {"bfloat16": "bfloat16", "float32": "float32",
+                 "float8_e4m3fn": "bfloat16", "int8": "bfloat16"}
+
+
+def kernel_rows(device, kv_dtypes=tuple(KERNEL_DTYPES)):
+    """Our decode attention (`gpu_attention.attend`, kernel + combine) alone: every split
+    variant at full Moondream 2 and Moondream 3 shapes (batch 32, 32 KV heads of 64, pages
+    of 64: tables 32 and 512 pages wide) for each pool dtype; then pages of 16 to 256
+    positions (Moondream 2's context) at 1 and 16 splits."""
     import jax
     import jax.numpy as jnp
-    from photon_jax import kvpool
-    from photon_jax.compat import pallas_gpu_paged_attention
-    from photon_jax.dtypes import matmul_precision
+    from photon_jax import gpu_attention as ga
 
-    rows, kv_heads, heads, dim, pages = 32, 32, 32, 64, 1024
-    pool = lambda page, dt: jax.ShapeDtypeStruct((kv_heads, pages, page, dim), dt)  # noqa
+    rows, kv_heads, heads, dim = 32, 32, 32, 64
     ints = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    kernel = jax.jit(lambda k, v, q, t, n: kvpool.kernel_attend((k,), (v,), q, t, n))
-    if kv_dtypes:   # 8-bit pools with their scales, queries in the model's dtype
-        kernel8 = jax.jit(lambda k, v, ks, vs, q, t, n: kvpool.kernel_attend(
-            (k,), (v,), q, t, n, scales_k=(ks,), scales_v=(vs,)))
+
+    def one(kv, page, ctx, splits, **fields):
+        width = -(-ctx // page)
+        pages = rows * width + 1
+        pool = jax.ShapeDtypeStruct((kv_heads, pages, page, dim), jnp.dtype(kv))
+        q = jax.ShapeDtypeStruct((rows, heads, dim), jnp.dtype(KERNEL_DTYPES[kv]))
+        args = [pool, pool, q, ints(rows, width), ints(rows)]
+        if kv in ("int8", "float8_e4m3fn"):
+            sc = jax.ShapeDtypeStruct((kv_heads, pages, page), jnp.float32)
+            fn = jax.jit(lambda k, v, q, t, n, ks, vs: ga.attend(
+                k, v, q, t, n, splits=splits, ks_KPT=ks, vs_KPT=vs))
+            args += [sc, sc]
+        else:
+            fn = jax.jit(lambda k, v, q, t, n: ga.attend(k, v, q, t, n, splits=splits))
+        return compile_row("kernel", fn, tuple(args), device, kv_dtype=kv,
+                           dtype=KERNEL_DTYPES[kv], page_size=page, table_width=width,
+                           splits=splits, per_step=ga.per_step(page), **fields)
+
+    for model, ctx in (("md2", 2048), ("md3", 32768)):
         for kv in kv_dtypes:
-            for dt in ("bfloat16", "float32"):
-                for page, width in ((64, 32), (64, 512), (128, 256)):
-                    most = kvpool.kernel_max_positions(dt, dim)
-                    sc = jax.ShapeDtypeStruct((kv_heads, pages, page), jnp.float32)
-                    q = jax.ShapeDtypeStruct((rows, heads, dim), jnp.dtype(dt))
-                    yield compile_row("kernel", kernel8, (pool(page, kv), pool(page, kv), sc, sc,
-                                                          q, ints(rows, width), ints(rows)),
-                                      device, dtype=dt, kv_dtype=kv, page_size=page,
-                                      table_width=width,
-                                      blocks=kvpool.kernel_blocks(width, page, most),
-                                      engine_refuses=page > most)
-        return
-    for dt in ("bfloat16", "float32"):
-        for page, width in ((64, 32), (64, 512), (32, 25), (16, 128), (128, 256), (256, 128)):
-            q = jax.ShapeDtypeStruct((rows, heads, dim), jnp.float32)
-            most = kvpool.kernel_max_positions(dt, dim)
-            yield compile_row("kernel", kernel, (pool(page, dt), pool(page, dt), q,
-                                                 ints(rows, width), ints(rows)), device,
-                              dtype=dt, page_size=page, table_width=width,
-                              blocks=kvpool.kernel_blocks(width, page, most),
-                              engine_refuses=page > most)
-    if not blocks:
-        return
-    for dt in ("bfloat16", "float32"):
-        # At the precision `kvpool.kernel_attend` asks for (HIGHEST for float32: its tiles
-        # are larger than TF32's).
-        precision = matmul_precision(dt).name.lower()
-        paged_attention = pallas_gpu_paged_attention()
-        for per in (1, 2, 4, 8, 16):
-            def fn(q, k, v, t, n, per=per):
-                with jax.default_matmul_precision(precision):
-                    return paged_attention(q, k, v, t, n, k_splits=16,
-                                           pages_per_compute_block=per)
-            q = jax.ShapeDtypeStruct((rows, heads, dim), jnp.dtype(dt))
-            yield compile_row("kernel", jax.jit(fn), (q, pool(64, dt), pool(64, dt), ints(rows, 512),
-                                             ints(rows)), device, dtype=dt, page_size=64,
-                              table_width=512, blocks=(16, per), positions_per_step=64 * per)
+            for splits in ga.SPLITS:
+                yield one(kv, 64, ctx, splits, model=model)
+    for kv in kv_dtypes[:2]:
+        for page in (16, 32, 128, 256):
+            for splits in (1, 16):
+                yield one(kv, page, 2048, splits, model="md2")
 
 
 def decode_args(cfg, batch: int, page: int, free: int | None, kv_cache_tokens=None) -> dict:
@@ -203,6 +194,10 @@ def program_rows(device, batch: int, models):
         yield compile_row("program", P.forward, (params, dev.pool, dev.slots[0], dev.pending,
                                                  a["meta"], a["owners"]), device,
                           program="forward", **info)
+        # The most splits, in the whole step (a batch this size plans 1; small ones more).
+        yield compile_row("program", P.forward, (params, dev.pool, dev.slots[0], dev.pending,
+                                                 a["meta"], a["owners"], 16), device,
+                          program="forward_s16", **info)
         for (stochastic, region), prog in P.sample_step.items():
             yield compile_row("program", prog, (params, dev.slots[0], dev.pending,
                                                 dev.tables, a["samp"]), device,
@@ -251,25 +246,59 @@ def image_rows(P, params, cfg, device, info):
                       program="image_kv", crops=int(crops.crops.shape[0]), **info)
 
 
+def ptxas_rows(dump: str):
+    """Registers and spills of every compiled `gpu_attention` kernel: ptxas -v (the CUDA
+    plugin's) over the PTX XLA dumped, for the H200's sm_90a."""
+    import glob
+    import re
+    import subprocess
+
+    import jax_cuda13_plugin   # noqa: F401  (where the plugin's ptxas lives)
+    ptxas = glob.glob(os.path.join(os.path.dirname(os.path.dirname(
+        jax_cuda13_plugin.__file__)), "nvidia", "cu*", "bin", "ptxas"))
+    seen = set()
+    for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
+        text = open(path).read()
+        names = re.findall(r"\.entry (photon_decode_attention\w*)", text)
+        if not names or not ptxas or names[0] in seen:
+            continue
+        seen.add(names[0])
+        out = subprocess.run([ptxas[0], "-v", "-arch=sm_90a", path, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+        regs = re.search(r"Used (\d+) registers", out)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+        yield {"kind": "gpu_compile", "what": "ptxas", "kernel": names[0],
+               "registers": int(regs.group(1)) if regs else None,
+               "spill_store_bytes": int(spill.group(1)) if spill else None,
+               "spill_load_bytes": int(spill.group(2)) if spill else None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--blocks", action="store_true",
-                    help="also the kernel at every pages-per-step from 1 to 16")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--kernel-only", action="store_true")
-    ap.add_argument("--kv-dtype", nargs="+", default=(), choices=["int8", "float8_e4m3fn"],
-                    help="the kernel rows over 8-bit pools (with scales) instead")
+    ap.add_argument("--kv-dtype", nargs="+", default=list(KERNEL_DTYPES),
+                    choices=list(KERNEL_DTYPES), help="pool dtypes of the kernel rows")
     ap.add_argument("--models", nargs="+", default=["md2", "md3"],
                     help="configs of bench/common.py (bfloat16)")
     ap.add_argument("--lower-only", action="store_true",
                     help="lower for CUDA instead of compiling (no plugin needed: the tests)")
+    ap.add_argument("--ptxas", metavar="DIR",
+                    help="dump XLA's PTX to DIR and report each kernel's registers and "
+                         "spills (ptxas -v)")
     args = ap.parse_args()
+    if args.ptxas:   # (before JAX starts its backends)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_dump_to={args.ptxas}").strip()
     device = None if args.lower_only else h200_device()
     env = {**env_info(), "target": "lowered for CUDA" if device is None else "H200, deviceless"}
-    for row in kernel_rows(device, args.blocks, tuple(args.kv_dtype)):
+    for row in kernel_rows(device, tuple(args.kv_dtype)):
         print(json.dumps({**row, **env}), flush=True)
     if not args.kernel_only:
         for row in program_rows(device, args.batch, args.models):
+            print(json.dumps({**row, **env}), flush=True)
+    if args.ptxas and device is not None:
+        for row in ptxas_rows(args.ptxas):
             print(json.dumps({**row, **env}), flush=True)
 
 

@@ -14,7 +14,8 @@ plus what earlier steps left unused, never past the run's budget, 480 s by defau
 that overruns is killed and the next one starts:
 
   env      versions, devices, memory, the private JAX APIs photon_jax relies on (`compat`)
-  kernels  the Pallas kernel tests on the real GPU (tests/test_pool.py,
+  kernels  the Pallas kernel tests on the real GPU (tests/test_gpu_attention.py: our decode
+           attention, every split and pool dtype; tests/test_pool.py,
            tests/test_gpu_lowering.py and the 8-bit ones of tests/test_kv8.py)
   engine   the engine end to end on the tiny fixture (float32) with the host-sync detector
            on top of the engine's transfer guard: every public surface
@@ -87,7 +88,7 @@ def step_env(smoke: bool, work: str) -> None:
     checks = {}
     for name, call in (("array_impl", compat.array_impl),
                        ("d2h_guard_reader", compat.d2h_guard_reader),
-                       ("pallas_gpu_paged_attention", compat.pallas_gpu_paged_attention)):
+                       ("pallas_triton", compat.pallas_triton)):
         try:
             call()
             checks[name] = "ok"
@@ -129,8 +130,11 @@ def _stream(cmd: list[str], env: dict | None = None) -> tuple[int, str]:
 def step_kernels(smoke: bool, work: str) -> None:
     # addopts cleared: the project's "-n 2" needs pytest-xdist, and one process is what a
     # single GPU wants.  The smoke run only collects (the suite runs these tests itself).
-    cmd = [sys.executable, "-m", "pytest", "tests/test_pool.py", "tests/test_gpu_lowering.py",
-           "tests/test_kv8.py", "-k", "gpu_lowering or pallas or decode_paths or lowers_for_cuda",
+    # Our kernel's own tests first (every split and pool dtype against float64 on the GPU).
+    cmd = [sys.executable, "-m", "pytest", "tests/test_gpu_attention.py", "tests/test_pool.py",
+           "tests/test_gpu_lowering.py", "tests/test_kv8.py", "-k",
+           "(gpu_attention and not warms) or gpu_lowering or pallas or decode_paths or "
+           "lowers_for_cuda",
            "-o", "addopts=", "-q", "-rfEs",
            "-p", "no:cacheprovider"] + (["--collect-only"] if smoke else [])
     code, last = _stream(cmd)

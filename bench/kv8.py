@@ -56,7 +56,7 @@ def teacher_force(model, kv_dtype, tokens, enc=None, greedy_steps: int = 0, page
     if corrupt is not None:
         pool = corrupt(pool)
     slot = state.slots[0]
-    owners = step_mod.sweeps(model.attention)
+    owners = model.platform.sweeps
     fed, out = list(tokens), []
     i = 0
     while i < len(fed) or len(out) < len(tokens) + greedy_steps:

@@ -141,13 +141,11 @@ class Moondream:
             kv = kvpool.canonical_kv_dtype(kv_dtype, cfg.dtype)
             if not isinstance(max_batch_size, int) or not isinstance(max_context or 0, int):
                 return
-            memory.check(memory.plan(cfg, platform=dev.platform,
+            memory.check(memory.plan(cfg, platform=step.choose(cfg, dev.platform, attention, kv),
                                      max_batch_size=max_batch_size,
                                      max_context=max_context or cfg.text.max_context,
                                      page_size=64, kv_cache_tokens=kv_cache_tokens,
                                      free=memory.device_free(dev), kv_dtype=kv,
-                                     sweep=step.sweeps(attention or
-                                                       step.default_attention(dev.platform)),
                                      mesh_size=1 if mesh is None else mesh.size),
                          cfg, max_context=max_context or cfg.text.max_context,
                          weights_loaded=False)

@@ -11,7 +11,7 @@ worse, computing something else.  docs/platforms.md lists the same table:
 | `jax._src.array.ArrayImpl` (`_value`, `copy_to_host_async`, `__array__`, `item`, `tolist`, `block_until_ready`) | `hostsync` (tests, `PHOTON_JAX_GPU_RULES`) | patching host reads |
 | `jax._src.config.transfer_guard_device_to_host` | `hostsync` | the device-to-host guard level in force |
 | `jax._src.lib.guard_lib.thread_local_state().explicit_device_get` | `hostsync` | telling `jax.device_get` (explicit) from implicit reads |
-| `jax.experimental.pallas.ops.gpu.paged_attention.paged_attention` | `kvpool` (GPU decode) | the paged-attention kernel |
+| `jax.experimental.pallas` (`pallas_call`, `BlockSpec`, `program_id`, `when`, `ds`) and `jax.experimental.pallas.triton.CompilerParams` | `gpu_attention` (GPU decode) | our decode-attention kernel |
 | `jax.experimental.topologies.get_topology_desc` | `bench/gpu_compile.py` | deviceless H200 compiles |
 
 (`jax.ffi`, used by the CPU kernels, is public API.)
@@ -74,28 +74,24 @@ def d2h_guard_reader():
     return read
 
 
-# The keyword arguments kvpool passes to the Pallas GPU kernel (positional: q, k_pages,
-# v_pages, block_tables, lengths).
-_PAGED_ATTENTION_ARGS = ("q", "k_pages", "v_pages", "block_tables", "lengths", "k_splits",
-                         "pages_per_compute_block", "interpret")
+_PALLAS = ("pallas_call", "BlockSpec", "program_id", "when", "ds")
 
 
-def pallas_gpu_paged_attention(quantized: bool = False):
-    """JAX's Pallas GPU paged-attention kernel, checked for the arguments kvpool passes
-    (`quantized`: also the scales of an 8-bit pool)."""
+def pallas_triton():
+    """(pallas, pallas.triton): Pallas and its Triton (GPU) backend's module, checked for
+    the names `gpu_attention`'s kernel uses."""
     try:
-        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import triton as plgpu
     except ImportError as e:
-        raise _fail("jax.experimental.pallas.ops.gpu.paged_attention.paged_attention",
-                    "the GPU paged-attention kernel") from e
-    params = inspect.signature(paged_attention).parameters
-    want = _PAGED_ATTENTION_ARGS + (("k_scales_pages", "v_scales_pages") if quantized else ())
-    missing = [p for p in want if p not in params]
-    if missing or list(params)[:5] != list(_PAGED_ATTENTION_ARGS[:5]):
-        raise _fail("jax.experimental.pallas.ops.gpu.paged_attention.paged_attention("
-                    + ", ".join(want) + ")",
-                    f"the kernel's signature; this one is ({', '.join(params)})")
-    return paged_attention
+        raise _fail("jax.experimental.pallas and jax.experimental.pallas.triton",
+                    "writing the GPU decode-attention kernel") from e
+    missing = [f"pallas.{n}" for n in _PALLAS if not hasattr(pl, n)]
+    if not hasattr(plgpu, "CompilerParams"):
+        missing.append("pallas.triton.CompilerParams")
+    if missing:
+        raise _fail(", ".join(missing), "writing the GPU decode-attention kernel")
+    return pl, plgpu
 
 
 def topology_desc(**kwargs):

@@ -109,29 +109,26 @@ class Engine:
                              f"{cfg.text.max_context}], got {max_context!r}")
         if page_size not in (16, 32, 64, 128, 256):
             raise ValueError(f"page_size must be 16, 32, 64, 128 or 256, got {page_size!r}")
-        if model.attention.startswith("pallas"):   # the GPU kernel loads a page at least
-            most = kvpool.kernel_max_positions(cfg.dtype, cfg.text.head_dim)
-            if page_size > most:
-                raise ValueError(
-                    f"page_size={page_size} is too large for the GPU paged-attention kernel "
-                    f"with a {cfg.dtype} model: it loads at most {most} positions a step "
-                    f"(its K/V tiles live in shared memory); use page_size={most} or less")
+        # What the device's platform means (`step.Platform`), with this engine's pool format.
+        plat = self.platform = model.platform.with_kv_dtype(self.kv_dtype)
         self.model, self.cfg, self.programs = model, cfg, model.programs
         self.max_batch_size, self.max_context, self.pipelined = max_batch_size, ctx, pipelined
         # The device (the mesh's first, for its platform and free memory) and where host
         # data for a program goes: that device, or replicated over the mesh.
         self.device, self.placement = model.device, model.placement
+        # The GPU kernel's split plan counts programs per SM (None off a GPU: an H200's).
+        self.sms = getattr(self.device, "core_count", None) if plat.plans_splits else None
         # Memory: planned from shapes and the device's free memory (the weights are placed
         # already), refused with numbers if it cannot work.
         self.plan = memory.check(
-            memory.plan(cfg, platform=self.device.platform, max_batch_size=max_batch_size,
+            memory.plan(cfg, platform=plat, max_batch_size=max_batch_size,
                         max_context=ctx, page_size=page_size, kv_cache_tokens=kv_cache_tokens,
                         free=memory.device_free(self.device), weights_loaded=True,
-                        sweep=step_mod.sweeps(model.attention), kv_dtype=self.kv_dtype,
+                        kv_dtype=self.kv_dtype,
                         mesh_size=1 if model.tp is None else model.tp.n),
             cfg, max_context=ctx, weights_loaded=True)
         self.page_size, self.arenas = page_size, self.plan.arenas
-        self.sweep = step_mod.sweeps(model.attention)   # page owners uploaded per step
+        self.sweep = plat.sweeps   # page owners uploaded per step
         self.max_pages = pages_for(ctx, page_size)   # a row's page table
         self.dev = step_mod.DeviceState.init(cfg, arena_sizes=self.arenas.sizes,
                                              page_size=page_size,
@@ -140,7 +137,7 @@ class Engine:
         self.sched = Scheduler(max_batch_size=max_batch_size, n_pages=self.arenas.n_pages,
                                page_size=page_size, prefix_len=cfg.prefix_len,
                                prefill_tokens=prefill_tokens, prefix_cache=prefix_cache,
-                               record_events=record_events, share_prefix=not self.sweep)
+                               record_events=record_events, share_prefix=plat.shares_prefix)
         self.pipe = PipelineState()
         self.steps_log: collections.deque[StepRecord] = collections.deque(maxlen=log_steps)
         self.counters = collections.Counter()
@@ -346,11 +343,12 @@ class Engine:
             for n in range(1, self.arenas_count + 1):
                 pages = np.zeros((2, self.arenas.pages_in(n) if self.sweep else 1), _I32)
                 pages[0] = rb
-                dev = self.dev
-                part, dev.slots[0] = P.forward(params, dev.pool.arenas(n), dev.slots[0],
-                                               dev.pending, meta,
-                                                jax.device_put(pages, self.placement))
-                dev.pool = dev.pool.merge(part)
+                for splits in P.split_variants(rb, self.sms):
+                    dev = self.dev
+                    part, dev.slots[0] = P.forward(params, dev.pool.arenas(n), dev.slots[0],
+                                                   dev.pending, meta,
+                                                   jax.device_put(pages, self.placement), splits)
+                    dev.pool = dev.pool.merge(part)
             for sampler in P.sample_step.values():
                 dev = self.dev
                 dev.slots[0], dev.pending = sampler(params, dev.slots[0], dev.pending,
@@ -557,12 +555,16 @@ class Engine:
         meta, pages, n_arenas = pack_decode([s.row for s in rows], [s.length for s in rows],
                                             [s.pages for s in rows], rb, self.max_pages,
                                             self.page_size, self.arenas, owners=self.sweep)
+        # The GPU kernel's splits, from the real rows' attended lengths (position + 1): a
+        # static variant of forward, all of them compiled at start (1 off the GPU kernel).
+        splits = self.programs.decode_splits([s.length + 1 for s in rows], self.page_size,
+                                             self.sms)
         with hostsync.sync_free():
             meta_d = jax.device_put(meta, self.placement)
             dev = self.dev
             part, dev.slots[slot] = self.programs.forward(
                 self.model.params, dev.pool.arenas(n_arenas), dev.slots[slot], dev.pending,
-                meta_d, jax.device_put(pages, self.placement))
+                meta_d, jax.device_put(pages, self.placement), splits)
             dev.pool = dev.pool.merge(part)
         self.sched.start_decode(rows)
         st = _Step("decode", slot, rows, index, meta_d)

@@ -10,9 +10,9 @@ handed out: padding rows and padding positions write there, so they corrupt noth
 Why per-layer arrays, and arenas.  On XLA:CPU any slice of a bigger array that feeds a dot is
 copied out first, dynamic or static: a scan over stacked layers copied every layer's weights
 and KV in every step (3x the bytes, measured).  So the serving programs unroll the layers over
-per-layer arrays, and a decode step reads whole arrays only.  The kernels (`cpukernel` on CPU,
-JAX's Pallas paged attention on GPU) read one arena through each row's page table up to its
-length; arenas matter only to the XLA sweep, which then takes only the arenas below the
+per-layer arrays, and a decode step reads whole arrays only.  The kernels (`cpukernel` on
+CPU, our Pallas kernel `gpu_attention` on GPU) read one arena through each row's page table
+up to its length; arenas matter only to the XLA sweep, which then takes only the arenas below the
 highest page any of its rows uses (pages are handed out lowest-first), so it reads the pool
 up to its live high-water mark, not the whole pool.
 
@@ -30,10 +30,10 @@ prefill numerics are exactly the one-request path's.
 
 8-bit pools (`kv_dtype` "int8" / "float8_e4m3fn"; default: the model's dtype, unquantized).
 K and V are stored as 8-bit codes with one float32 scale per (kv head, position): `ks[l][a]`
-/ `vs[l][a]` of shape [K, Pa, T] beside the [K, Pa, T, H] codes, the layout JAX's Pallas
-kernel takes as `k_scales_pages` / `v_scales_pages`.  The scale is the absmax of that
-head's H-vector over the format's largest value (127, or 448 for e4m3), so the vector's
-largest element is represented exactly and the rest to the format's resolution.  Why per
+/ `vs[l][a]` of shape [K, Pa, T] beside the [K, Pa, T, H] codes (the layout JAX's Pallas
+kernel took as `k_scales_pages` / `v_scales_pages`; `gpu_attention` reads the same).  The
+scale is the absmax of that head's H-vector over the format's largest value (127, or 448
+for e4m3), so the vector's largest element is represented exactly and the rest to the format's resolution.  Why per
 position and not per page: positions are written one at a time as a page fills (decode
 appends one per step), so a per-page scale would have to grow -- and the page be
 requantized -- whenever a later position is larger, compounding rounding on values already
@@ -56,9 +56,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from . import compat, cpukernel
+from . import cpukernel, gpu_attention
 from .config import TextConfig
-from .dtypes import F32, jnp_dtype, matmul_precision
+from .dtypes import F32, jnp_dtype
 from .layers import attention
 
 
@@ -92,14 +92,18 @@ def canonical_kv_dtype(kv_dtype, model_dtype=None):
 # emulates float8 by converting every float8 operand to float16 first, so an in-place write
 # of one position or a gather of a few pages converted the whole arena (measured: a batch-32
 # decode step of the small config went from 40 ms to minutes).  On GPU the pool is typed
-# float8_e4m3fn, which the Pallas kernel reads as such.  int8 is int8 everywhere.
+# float8_e4m3fn, which the GPU kernel reads as such.  int8 is int8 everywhere.
 _BYTES = jnp.dtype(jnp.uint8)
+
+
+# Backends whose pools keep e4m3 codes as bytes (see above).
+_FP8_AS_BYTES = frozenset({"cpu"})
 
 
 def storage_dtype(fmt: str, platform: str | None = None):
     """The pool's array dtype for 8-bit format `fmt` on `platform` (None: JAX's default)."""
     platform = platform or jax.default_backend()
-    if fmt == "float8_e4m3fn" and platform == "cpu":
+    if fmt == "float8_e4m3fn" and platform in _FP8_AS_BYTES:
         return _BYTES
     return jnp.dtype(fmt)
 
@@ -396,62 +400,16 @@ def decode_attend(arenas_k: tuple, arenas_v: tuple, q_RQH, owner_P, count_P, pt_
 
 
 def kernel_attend(arenas_k: tuple, arenas_v: tuple, q_RQH, pt_RM, length_R, *,
-                  interpret: bool = False, scales_k=None, scales_v=None):
-    """The same attention by JAX's Pallas GPU paged-attention kernel, which walks each row's
-    page table up to its length (one arena: global page ids are its indices).  An 8-bit
-    pool passes its scales ([K, P, T]: the kernel's k/v_scales_pages); the kernel widens
-    the codes to the query's dtype (the model's) and scales scores and probabilities."""
-    paged_attention = compat.pallas_gpu_paged_attention(quantized=scales_k is not None)
+                  splits: int = 1, interpret: bool = False, scales_k=None, scales_v=None):
+    """The same attention by our Pallas GPU kernel (`gpu_attention`), which walks each row's
+    page table up to its length in `splits` splits (one arena: global page ids are its
+    indices).  An 8-bit pool passes its scales ([K, P, T])."""
     if len(arenas_k) != 1:
         raise ValueError("the paged-attention kernel reads a single-arena pool")
-    dtype = arenas_k[0].dtype
-    extra = {}
-    if scales_k is not None:
-        dtype = q_RQH.dtype
-        extra = {"k_scales_pages": scales_k[0], "v_scales_pages": scales_v[0]}
-        # (e4m3 bytes -- a CPU pool under the Pallas interpreter -- as float8 for the kernel)
-        arenas_k, arenas_v = (as_format(arenas_k[0]),), (as_format(arenas_v[0]),)
-    k_splits, per_block = kernel_blocks(pt_RM.shape[1], arenas_k[0].shape[2],
-                                        kernel_max_positions(dtype, arenas_k[0].shape[3]))
-    q = (q_RQH.astype(F32) * (q_RQH.shape[-1] ** -0.5)).astype(dtype)
-    # The kernel's products take the default matmul precision, which on GPU multiplies
-    # float32 in TF32 (10-bit mantissas); a float32 model's products are HIGHEST everywhere
-    # else (`dtypes.matmul_precision`), so its attention is too.
-    with jax.default_matmul_precision(matmul_precision(dtype).name.lower()):
-        out = paged_attention(q, arenas_k[0], arenas_v[0], pt_RM, length_R,
-                              k_splits=k_splits, pages_per_compute_block=per_block,
-                              interpret=interpret, **extra)
-    return out.reshape(q_RQH.shape[0], -1).astype(q_RQH.dtype)
-
-
-def kernel_max_positions(dtype, head_dim: int) -> int:
-    """The most positions one step of the Pallas kernel may load (pages_per_compute_block x
-    page_size).  Its K and V tiles live in shared memory: compiled for an H200
-    (`bench/gpu_compile.py`, head dim 64), float32 tiles of 256 positions ask for 260 KiB
-    of the 227 KiB a block may have, bfloat16 ones fit up to 512 positions.  bfloat16 keeps
-    256, the largest block JAX's own GPU tests of the kernel run.  Scaled for other head
-    dims (the tiles grow with it)."""
-    base = 128 if jnp.dtype(dtype).itemsize >= 4 else 256
-    n = max(1, base * 64 // head_dim)
-    return 1 << (n.bit_length() - 1)   # a power of 2, as the lowering needs
-
-
-def kernel_blocks(m: int, page_size: int, max_positions: int) -> tuple[int, int]:
-    """(k_splits, pages_per_compute_block) of the Pallas kernel for page tables of width m:
-    the table splits into k_splits partitions (as many as divide m, up to 16: parallelism
-    at small batches), each walked `pages_per_compute_block` pages at a time.  That block
-    count must be a power of 2 (Pallas's Triton lowering takes only power-of-2 arrays: a
-    table width like 25 -- max_context 800 in pages of 32 -- gave blocks of 5, which lowers
-    in the interpreter but not for a GPU) that divides the partition, up to 8 pages and
-    `max_positions` positions (`kernel_max_positions`; a page larger than that is refused
-    by the engine)."""
-    k_splits = max(d for d in range(1, min(m, 16) + 1) if m % d == 0)
-    part = m // k_splits
-    cap = max(1, min(8, max_positions // page_size))
-    per_block = 1
-    while 2 * per_block <= cap and part % (2 * per_block) == 0:
-        per_block *= 2
-    return k_splits, per_block
+    return gpu_attention.attend(arenas_k[0], arenas_v[0], q_RQH, pt_RM, length_R,
+                                splits=splits, interpret=interpret,
+                                ks_KPT=None if scales_k is None else scales_k[0],
+                                vs_KPT=None if scales_v is None else scales_v[0])
 
 
 # -- the access objects text.forward writes and attends through --------------------------
@@ -480,18 +438,24 @@ class PrefillAccess:
 
 @flax.struct.dataclass
 class DecodeAccess:
-    """One new position per row; attention over the pages of the arenas given, by `attend`
-    (`step.ATTENTION`): "xla" (the sweep, any backend), "cpu-kernel" (`cpukernel`:
-    XLA:CPU), "pallas" (JAX's Pallas GPU kernel) or "pallas-interpret" (the same run on CPU:
-    tests).  The kernels read one arena through the rows' page tables and lengths; the sweep
-    reads every page of the arenas given, with owner_P / count_P."""
+    """One new position per row; attention over the pages of the arenas given by `attend`,
+    one of the readers below (`step` picks it from the platform record): `sweep_attend`
+    (any backend), `cpu_kernel_attend` (`cpukernel`: XLA:CPU), `gpu_kernel_attend` (our
+    Pallas GPU kernel, `gpu_attention`) or `gpu_interpret_attend` (the same run by the
+    Pallas interpreter: tests).  The kernels read one arena through the rows' page tables
+    and lengths; the sweep reads every page of the arenas given, with owner_P / count_P.
+    `scatter`: new positions written by one scatter per arena (the GPU kernel's pool) rather
+    than a row loop.  `splits`: the GPU kernel's split count (`gpu_attention.plan_splits`,
+    static)."""
     page_R: jax.Array
     off_R: jax.Array
     owner_P: jax.Array
     count_P: jax.Array
     pt_RM: jax.Array
     length_R: jax.Array
-    attend: str = flax.struct.field(pytree_node=False, default="xla")
+    attend: object = flax.struct.field(pytree_node=False, default=None)
+    scatter: bool = flax.struct.field(pytree_node=False, default=False)
+    splits: int = flax.struct.field(pytree_node=False, default=1)
     tp: object = flax.struct.field(pytree_node=False, default=None)
 
     def update(self, pool: KVPool, li: int, q, k, v, pos_RT):
@@ -499,7 +463,7 @@ class DecodeAccess:
 
     def _layer(self, arrays, q, k, v, pos_RT):
         ks, vs, ksc, vsc = arrays
-        if self.attend.startswith("pallas"):   # GPU: one scatter per arena (one kernel)
+        if self.scatter:   # GPU: one scatter per arena (one kernel)
             ks, ksc = write_tokens_q(ks, ksc, self.page_R, self.off_R, k[:, 0])
             vs, vsc = write_tokens_q(vs, vsc, self.page_R, self.off_R, v[:, 0])
         elif ksc is None:
@@ -507,21 +471,35 @@ class DecodeAccess:
         else:
             ks, vs, ksc, vsc = write_rows(ks, vs, self.page_R, self.off_R, k[:, 0], v[:, 0],
                                           ksc, vsc)
-        if self.attend == "xla":
-            a = decode_attend(ks, vs, q[:, 0], self.owner_P, self.count_P, self.pt_RM,
-                              ksc, vsc)
-        elif self.attend == "cpu-kernel":
-            if len(ks) != 1:
-                raise ValueError("the CPU paged-attention kernel reads a single-arena pool")
-            a = cpukernel.attend(ks[0], vs[0], q[:, 0], self.pt_RM, self.length_R,
-                                 None if ksc is None else ksc[0],
-                                 None if vsc is None else vsc[0])
-            a = a.reshape(a.shape[0], -1)
-        else:
-            a = kernel_attend(ks, vs, q[:, 0], self.pt_RM, self.length_R,
-                              interpret=self.attend == "pallas-interpret",
-                              scales_k=ksc, scales_v=vsc)
+        a = (self.attend or sweep_attend)(self, (ks, vs, ksc, vsc), q[:, 0])
         return (ks, vs, ksc, vsc), a[:, None]
+
+
+# The decode readers a `DecodeAccess` takes: (access, (k, v, k scales, v scales) arenas,
+# q [R, Q, H]) -> [R, Q * H].
+
+def sweep_attend(acc: DecodeAccess, arrays, q_RQH):
+    ks, vs, ksc, vsc = arrays
+    return decode_attend(ks, vs, q_RQH, acc.owner_P, acc.count_P, acc.pt_RM, ksc, vsc)
+
+
+def cpu_kernel_attend(acc: DecodeAccess, arrays, q_RQH):
+    ks, vs, ksc, vsc = arrays
+    if len(ks) != 1:
+        raise ValueError("the CPU paged-attention kernel reads a single-arena pool")
+    a = cpukernel.attend(ks[0], vs[0], q_RQH, acc.pt_RM, acc.length_R,
+                         None if ksc is None else ksc[0], None if vsc is None else vsc[0])
+    return a.reshape(a.shape[0], -1)
+
+
+def gpu_kernel_attend(acc: DecodeAccess, arrays, q_RQH, interpret: bool = False):
+    ks, vs, ksc, vsc = arrays
+    return kernel_attend(ks, vs, q_RQH, acc.pt_RM, acc.length_R, splits=acc.splits,
+                         interpret=interpret, scales_k=ksc, scales_v=vsc)
+
+
+def gpu_interpret_attend(acc: DecodeAccess, arrays, q_RQH):
+    return gpu_kernel_attend(acc, arrays, q_RQH, interpret=True)
 
 
 def _on_layer(access, pool: KVPool, li: int, q, k, v, pos_RT):

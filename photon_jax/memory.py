@@ -135,7 +135,9 @@ def device_free(device) -> int | None:
         stats = None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    if device.platform == "cpu":
+    from .step import host_platform
+
+    if host_platform(device.platform):
         try:
             return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         except (ValueError, OSError, AttributeError):
@@ -143,15 +145,19 @@ def device_free(device) -> int | None:
     return None
 
 
-def plan(cfg: MoondreamConfig, *, platform: str, max_batch_size: int, max_context: int,
+def plan(cfg: MoondreamConfig, *, platform, max_batch_size: int, max_context: int,
          page_size: int, kv_cache_tokens: int | None = None, free: int | None = None,
          weights_loaded: bool = False, dtype=None, sweep: bool | None = None,
          kv_dtype: str | None = None, mesh_size: int = 1) -> MemoryPlan:
     """The memory plan of a model on a device with `free` bytes available (None: unknown).
+    `platform`: the device's `step.Platform` record (or its name: its default record).
     `weights_loaded`: `free` was measured after the weights were placed.  `sweep`: the
     decode attention is the XLA sweep (several arenas; default on CPU) rather than the
     Pallas kernel (one arena).  `kv_dtype`: an 8-bit pool (None: the model's dtype).
     `mesh_size`: the chips of a tensor-parallel mesh; the plan is then per chip."""
+    from .step import Platform, choose
+
+    rec = platform if isinstance(platform, Platform) else choose(cfg, platform)
     dtype = dtype or cfg.dtype
     per_tok = bytes_per_token(cfg, dtype, kv_dtype, mesh_size)
     weights = weight_bytes(cfg, dtype, mesh_size)
@@ -159,7 +165,7 @@ def plan(cfg: MoondreamConfig, *, platform: str, max_batch_size: int, max_contex
     work = workspace_bytes(cfg, dtype)
     row_pages = pages_for(max_context, page_size)
     if kv_cache_tokens is None:
-        if platform == "cpu":
+        if rec.host_memory:
             want = max_batch_size * max_context + 4 * cfg.prefix_len
             cap = CPU_POOL_CAP if free is None else min(CPU_POOL_CAP, free // 4)
             kv_cache_tokens = max(min(want, cap // per_tok), max_context + cfg.prefix_len)
@@ -181,7 +187,7 @@ def plan(cfg: MoondreamConfig, *, platform: str, max_batch_size: int, max_contex
     usable = pages_for(kv_cache_tokens, page_size)
     n_pages = usable + 1   # page 0: the dummy page
     if sweep is None:
-        sweep = platform == "cpu"
+        sweep = rec.sweeps
     arenas = Arenas.geometric(n_pages, row_pages) if sweep else Arenas((n_pages,))
     return MemoryPlan(weights, n_pages * page_size * per_tok, slots, work, free,
                       usable * page_size, page_size, arenas, mesh_size)

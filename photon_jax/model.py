@@ -34,12 +34,6 @@ def resolve_device(device):
     raise TypeError(f"device must be a jax.Device, an index or None, got {device!r}")
 
 
-# The compute dtype of any checkpoint on CPU when none is asked for.  XLA:CPU has no bfloat16
-# matmul on most x86 CPUs and converts operands in every step, so a bfloat16 model decodes
-# slower than the same model in float32 (`bench/caption.py`).
-CPU_DTYPE = "float32"
-
-
 class Model:
     def __init__(self, cfg: MoondreamConfig, params: dict, tokenizer, device=None,
                  attention: str | None = None, mesh=None):
@@ -57,8 +51,10 @@ class Model:
             self.device = resolve_device(device)
             self.placement = jax.sharding.SingleDeviceSharding(self.device)
             self.params = text.unstack_layers(params)
-        self.attention = attention or step.default_attention(self.device.platform)
-        self.programs = step.build_for(cfg, self.device.platform, self.attention, tp=self.tp)
+        # What this device's platform means, worked out once (`step.Platform`).
+        self.platform = step.choose(cfg, self.device.platform, attention)
+        self.attention = self.platform.attention
+        self.programs = step.build_for(cfg, self.platform, tp=self.tp)
         self.prompts = Prompts(tokenizer, cfg.tokenizer)
 
     @property
@@ -70,7 +66,8 @@ class Model:
              mesh=None,
              preflight: Callable[[MoondreamConfig, jax.Device], None] | None = None
              ) -> "Model":
-        """dtype None: the checkpoint's dtype on an accelerator; float32 on CPU (`CPU_DTYPE`).
+        """dtype None: the checkpoint's dtype on an accelerator; float32 on CPU
+        (`step.default_dtype`).
         `attention`: the decode attention (`step.ATTENTION`; None: the device's default).
         `mesh`: a `jax.sharding.Mesh` with the one axis "model": each weight is read
         straight onto the chips that hold it (`sharding`).  `preflight(cfg, device)` runs
@@ -84,7 +81,7 @@ class Model:
         else:
             dev = resolve_device(device)
         cfg = cfg.with_dtype(canonical(dtype) if dtype is not None else
-                             CPU_DTYPE if dev.platform == "cpu" else cfg.dtype)
+                             step.default_dtype(dev.platform, cfg.dtype))
         if preflight is not None:
             preflight(cfg, dev)
         tp = None if mesh is None else sharding.TensorParallel(mesh)

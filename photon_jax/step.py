@@ -14,8 +14,10 @@ benchmark (a static trip count: no host round trip on any backend).
 
 `attention` selects the decode attention: "xla" (the in-place sweep of `kvpool`, every
 backend), "cpu-kernel" (our C++ paged-attention kernel through the XLA FFI: `cpukernel`),
-"pallas" (JAX's Pallas GPU paged-attention kernel) or "pallas-interpret" (the same kernel run
-by the Pallas interpreter: tests on CPU).
+"pallas" (our Pallas GPU decode-attention kernel, `gpu_attention`, which replaced JAX's
+paged-attention kernel) or "pallas-interpret" (the same kernel run by the Pallas interpreter:
+tests on CPU).  The GPU kernel's split count is a static argument of the decode programs,
+planned on the host per step (`Programs.decode_splits`).
 
 Input kinds of a decode row (`kind_R`): 0 = token id, 1 = coordinate value, 2 = size value.
 Detect/point feed region values back as embeddings, so one decode program serves text and
@@ -24,6 +26,7 @@ region steps and rows of different kinds can share a step.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Callable
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 
 import flax.struct
 
-from . import constraints, cpukernel, kvpool, region, sampling, text, vision
+from . import constraints, cpukernel, gpu_attention, kvpool, region, sampling, text, vision
 from .config import MoondreamConfig
 from .dtypes import F32, jnp_dtype
 from .kvpool import DecodeAccess, KVPool, PrefillAccess
@@ -202,24 +205,35 @@ def _decode(params, cache, kind_R, token_R, value_R2, pos_R, rows_R, prefix_R, k
     return (*out, jax.tree.map(lambda a: a[:, :, 0], routes))
 
 
-def decode_access(meta_FR, pages_2P, *, attention: str, tp=None) -> DecodeAccess:
+# Each decode attention's reader of the pool and whether it writes by scatter (`kvpool`).
+_READERS = {"xla": (kvpool.sweep_attend, False),
+            "cpu-kernel": (kvpool.cpu_kernel_attend, False),
+            "pallas": (kvpool.gpu_kernel_attend, True),
+            "pallas-interpret": (kvpool.gpu_interpret_attend, True)}
+
+
+def decode_access(meta_FR, pages_2P, *, attention: str, splits: int = 1,
+                  tp=None) -> DecodeAccess:
+    attend, scatter = _READERS[attention]
     return DecodeAccess(page_R=meta_FR[M_PAGE], off_R=meta_FR[M_OFF],
                         owner_P=pages_2P[P_OWNER], count_P=pages_2P[P_COUNT],
                         pt_RM=meta_FR[M_TABLE:].T, length_R=meta_FR[M_POS] + 1,
-                        attend=attention, tp=tp)
+                        attend=attend, scatter=scatter, splits=splits, tp=tp)
 
 
-def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_2P, *, cfg,
-             attention="xla", grouped="blocks", dense=False, tp=None):
+def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_2P,
+             splits: int = 1, *, cfg, attention="xla", grouped="blocks", dense=False, tp=None):
     """One decode step for R rows over the arenas given: inputs gathered on the device from
     the pending buffers by row (never through the host), logits and hidden into the slot.
-    `dense`: the dense layers and LM head on `cpukernel.dense` (`default_dense`)."""
+    `dense`: the dense layers and LM head on `cpukernel.dense` (`default_dense`).  `splits`
+    (static): the GPU kernel's split count (`Programs.decode_splits`; 1 for the others)."""
     rows = meta_FR[M_ROW]
     x = input_embeddings(params, cfg, pending.kind[rows], pending.token[rows],
                          pending.value[rows], rows=True)[:, None]
     product = cpukernel.linear if dense and x.shape[0] >= DENSE_MIN_ROWS else linear
     hidden, pool, _ = text.forward(params["text"], cfg.text, x, meta_FR[M_POS][:, None], pool,
-                                   decode_access(meta_FR, pages_2P, attention=attention, tp=tp),
+                                   decode_access(meta_FR, pages_2P, attention=attention,
+                                                 splits=splits, tp=tp),
                                    grouped, dense=product, tp=tp)
     h = hidden[:, 0]
     return pool, _into_slot(slot, h, text.logits(params["text"], h, dense=product, tp=tp))
@@ -309,17 +323,18 @@ def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, samp_FR, 
     return slot, pending
 
 
-def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR, *, cfg,
-             attention="xla", grouped="blocks", dense=False, stochastic=False, region=False,
-             tp=None):
+def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR,
+             splits: int = 1, *, cfg, attention="xla", grouped="blocks", dense=False,
+             stochastic=False, region=False, tp=None):
     """The device-only ceiling: one decode + sample step per entry of the stacked per-step
     metadata, in one `lax.scan` (a static trip count), no host work between steps (token
-    indices advance by one per step)."""
+    indices advance by one per step).  `splits` (static): the GPU kernel's split count for
+    every step (plan it from the last step's lengths: `Programs.decode_splits`)."""
     def body(carry, step):
         pool, slot, pending, i = carry
         meta, pages = step
         samp = samp_FR.at[S_INDEX].add(i)
-        pool, slot = _forward(params, pool, slot, pending, meta, pages, cfg=cfg,
+        pool, slot = _forward(params, pool, slot, pending, meta, pages, splits, cfg=cfg,
                               attention=attention, grouped=grouped, dense=dense, tp=tp)
         slot, pending = _sample_step(params, slot, pending, tables, samp, cfg=cfg,
                                      stochastic=stochastic, region=region)
@@ -420,14 +435,35 @@ class Programs:
     # The engine's programs (slot, pending buffers and KV pool are donated).
     write_prefix_pages: Callable
     copy_pages: Callable
+    # forward(params, pool, slot, pending, meta, pages, splits=1): `splits` is static, one
+    # compile per value (`decode_splits` picks it per step; only the GPU kernel uses it).
     forward: Callable
     prefill_slot: Callable
     # sample_step[(stochastic, region)]: the four static variants of the sampling program.
     sample_step: dict
     ceiling: Callable
+    attention: str = "xla"   # the decode attention forward and ceiling were built with
 
     def sampler(self, stochastic: bool, region: bool) -> Callable:
         return self.sample_step[(stochastic, region)]
+
+    def decode_splits(self, lengths, page_size: int, sms: int | None = None) -> int:
+        """The static `splits` argument of forward / ceiling for a decode step whose real
+        rows attend `lengths` positions: the GPU kernel's plan (`gpu_attention.plan_splits`,
+        `sms` the device's SM count, None: an H200's), 1 for every other attention (their
+        programs take no splits: one compile)."""
+        if not self.attention.startswith("pallas"):
+            return 1
+        t = self.cfg.text
+        return gpu_attention.plan_splits(lengths, t.n_kv_heads, page_size, sms,
+                                         t.n_heads // t.n_kv_heads)
+
+    def split_variants(self, bucket: int, sms: int | None = None) -> tuple:
+        """The `splits` values `decode_splits` can give a step of row bucket `bucket`:
+        what the engine compiles before serving."""
+        if not self.attention.startswith("pallas"):
+            return (1,)
+        return gpu_attention.bucket_variants(bucket, self.cfg.text.n_kv_heads, sms)
 
 
 ATTENTION = ("xla", "cpu-kernel", "pallas", "pallas-interpret")
@@ -489,15 +525,65 @@ def build(cfg: MoondreamConfig, attention: str = "xla",
     return _build(cfg, attention, candidates, grouped, vision_loop, dense, tp)
 
 
-def build_for(cfg: MoondreamConfig, platform: str, attention: str | None = None,
+@dataclass(frozen=True)
+class Platform:
+    """What a device platform's choice means, worked out once (`choose`).  Everything
+    outside this module reads these fields; nothing else compares platform or attention
+    names."""
+    name: str                  # "cpu", "gpu", "tpu", ...
+    attention: str             # the decode attention (`ATTENTION`)
+    sweeps: bool               # decode reads the pool by the arena sweep, not page tables
+    shares_prefix: bool        # cached prefix pages are read in place (else copied)
+    plans_splits: bool         # decode steps take a split plan (the GPU kernel's)
+    dense: bool                # decode's dense layers on `cpukernel.dense`
+    grouped: str               # the MoE prefill schedule (`moe.schedule`)
+    vision_loop: bool          # the vision attention loops over (crop, head) pairs
+    host_memory: bool          # device memory is the host's (pool sized from host RAM)
+    dtype: str                 # the compute dtype
+    kv_dtype: str | None = None    # the pool's 8-bit format (None: the model's dtype)
+
+    def with_kv_dtype(self, kv_dtype: str | None) -> "Platform":
+        return dataclasses.replace(self, kv_dtype=kv_dtype)
+
+
+def host_platform(platform: str) -> bool:
+    """Whether a platform's device memory is the host's (CPU)."""
+    return platform == "cpu"
+
+
+def default_dtype(platform: str, checkpoint_dtype: str) -> str:
+    """The compute dtype when none is asked for: float32 on CPU (XLA:CPU has no bfloat16
+    matmul on most x86 CPUs and converts operands in every step, so a bfloat16 model decodes
+    slower than the same model in float32: `bench/caption.py`), the checkpoint's elsewhere."""
+    return "float32" if platform == "cpu" else checkpoint_dtype
+
+
+def choose(cfg: MoondreamConfig, platform: str, attention: str | None = None,
+           kv_dtype: str | None = None) -> Platform:
+    """The record of what `platform` gets for `cfg` (its dtype already chosen): the default
+    attention (or `attention`) and the rest that follows from it.  Builds nothing."""
+    attention = attention or default_attention(platform)
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    sweep = sweeps(attention)
+    return Platform(
+        name=platform, attention=attention, sweeps=sweep, shares_prefix=not sweep,
+        plans_splits=attention.startswith("pallas"),
+        dense=attention == "cpu-kernel" and default_dense(cfg, attention),
+        grouped=default_grouped(platform), vision_loop=default_vision_loop(platform),
+        host_memory=host_platform(platform), dtype=cfg.dtype, kv_dtype=kv_dtype)
+
+
+def build_for(cfg: MoondreamConfig, platform: "str | Platform", attention: str | None = None,
               tp=None) -> Programs:
-    """The programs a device of `platform` ("cpu", "gpu", ...) gets: its default attention
-    (or `attention`), MoE prefill schedule and vision attention (`default_*`).  What
+    """The programs a device of `platform` ("cpu", "gpu", ..., or its `Platform` record)
+    gets: its default attention (or `attention`), MoE prefill schedule and vision attention
+    (`choose`).  What
     `Model` builds; the GPU tests and `bench/gpu_compile.py` build a GPU's this way too.
     `tp`: the engine's programs over a mesh (`sharding.TensorParallel`)."""
-    return build(cfg, attention or default_attention(platform),
-                 grouped=default_grouped(platform), vision_loop=default_vision_loop(platform),
-                 tp=tp)
+    rec = platform if isinstance(platform, Platform) else choose(cfg, platform, attention)
+    return build(cfg, rec.attention, grouped=rec.grouped, vision_loop=rec.vision_loop,
+                 dense=rec.dense, tp=tp)
 
 
 @lru_cache(maxsize=16)
@@ -523,14 +609,15 @@ def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp) -> Progr
         write_prefix_pages=jax.jit(partial(_write_prefix_pages, tp=tp), donate_argnums=(0,)),
         copy_pages=jax.jit(partial(_copy_pages, tp=tp), donate_argnums=(0,)),
         forward=jax.jit(partial(_forward, attention=attention, dense=dense, **e),
-                        donate_argnums=(1, 2)),
+                        static_argnums=(6,), donate_argnums=(1, 2)),
         prefill_slot=jax.jit(partial(_prefill_slot, **e), donate_argnums=(1, 2)),
         sample_step={(st, rg): jax.jit(partial(_sample_step, stochastic=st, region=rg,
                                                candidates=candidates, **c),
                                        donate_argnums=(1, 2))
                      for st in (False, True) for rg in (False, True)},
         ceiling=jax.jit(partial(_ceiling, attention=attention, dense=dense, **e),
-                        donate_argnums=(1, 2, 3)),
+                        static_argnums=(8,), donate_argnums=(1, 2, 3)),
+        attention=attention,
     )
 
 

@@ -120,8 +120,8 @@ def in_threads(fn, n: int, timeout: float = 240) -> list:
 
 
 def pallas_attention() -> str:
-    """JAX's Pallas paged-attention kernel as this backend runs it: for real on a GPU (a
-    GPU pass of the kernel tests), under the Pallas interpreter elsewhere."""
+    """Our Pallas decode-attention kernel (`gpu_attention`) as this backend runs it: for
+    real on a GPU (a GPU pass of the kernel tests), under the Pallas interpreter elsewhere."""
     import jax
 
     return "pallas" if jax.default_backend() == "gpu" else "pallas-interpret"

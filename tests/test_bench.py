@@ -103,15 +103,33 @@ def test_gpu_compile_script_lowers_every_program_without_the_cuda_plugin():
     rows = run("gpu_compile.py", "--lower-only", "--models", "tiny", "--batch", "4")
     assert rows and all(r["ok"] and r["lower_only"] for r in rows), rows
     programs = {r["program"] for r in rows if r["what"] == "program"}
-    assert programs == {"forward", "ceiling", "prefill_slot", "image_kv", "write_prefix_pages",
+    assert programs == {"forward", "forward_s16", "ceiling", "prefill_slot", "image_kv", "write_prefix_pages",
                         "copy_pages",
                         "sample_step(False, False)", "sample_step(False, True)",
                         "sample_step(True, False)", "sample_step(True, True)"}
     kernels = [r for r in rows if r["what"] == "kernel"]
-    assert {r["dtype"] for r in kernels} == {"float32", "bfloat16"}
-    # The engine refuses exactly the float32 pages of 256 positions.
-    assert [(r["dtype"], r["page_size"]) for r in kernels if r["engine_refuses"]] == [
-        ("float32", 256)]
+    # Our kernel: every split variant at full Moondream 2 and 3 shapes, every pool dtype.
+    assert {(r["model"], r["kv_dtype"], r["splits"]) for r in kernels if r["page_size"] == 64
+            } == {(m, kv, s) for m in ("md2", "md3")
+                  for kv in ("bfloat16", "float32", "float8_e4m3fn", "int8")
+                  for s in (1, 2, 4, 8, 16)}
+    assert {r["page_size"] for r in kernels} == {16, 32, 64, 128, 256}
+
+
+def test_gpu_traffic_script_counts_both_kernels():
+    """bench/gpu_traffic.py (bench/README's table): JAX's kernel at 1k of a 2k table has half
+    its programs empty and writes 14% of the K/V; ours none empty, and at batch 32 (no
+    split) writes its output only, under the 5% target."""
+    rows = {(r["kernel"], r["batch"]): r for r in run("gpu_traffic.py")}
+    assert set(rows) == {(k, b) for k in ("jax paged_attention", "gpu_attention")
+                         for b in (1, 8, 32)}
+    for b in (1, 8, 32):
+        old, new = rows["jax paged_attention", b], rows["gpu_attention", b]
+        assert old["kv_attended"] == new["kv_attended"]
+        assert 2 * old["empty"] == old["programs"] and new["empty"] == 0
+        assert old["written_over_kv"] > 0.1 > new["written_over_kv"]
+    assert rows["gpu_attention", 32]["splits"] == 1
+    assert rows["gpu_attention", 32]["written_over_kv"] <= 0.05
 
 
 def test_caption_bench_smoke():

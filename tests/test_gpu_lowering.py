@@ -1,7 +1,7 @@
 """The GPU path, checked on a machine without a GPU.
 
-A GPU gets other programs than the CPU: decode attention by JAX's Pallas paged-attention
-kernel, the MoE prefill as a grouped `ragged_dot`, the vision attention without the per-crop
+A GPU gets other programs than the CPU: decode attention by our Pallas kernel
+(`gpu_attention`), the MoE prefill as a grouped `ragged_dot`, the vision attention without the per-crop
 loop (`step.default_*`).  Two checks here, for Moondream 2 and Moondream 3:
 
 * The engine runs a mixed workload on the GPU's programs (the Pallas kernel under the Pallas
@@ -11,8 +11,9 @@ loop (`step.default_*`).  Two checks here, for Moondream 2 and Moondream 3:
   it and lowered for CUDA.  Lowering runs Pallas's Triton lowering, so a block shape, dtype or grid
   the kernel rejects fails here, at the shapes the engine really uses.
 * The decode step and the ceiling at full Moondream 2 and Moondream 3 (32k context) shapes,
-  batch 32, lowered for CUDA from abstract shapes (nothing allocated): the kernel's
-  page-table width and split choices at real sizes.
+  batch 32, lowered for CUDA from abstract shapes (nothing allocated): the kernel at the
+  page-table width of real sizes (every split variant: tests/test_gpu_attention.py and
+  bench/gpu_compile.py).
 
 What lowering cannot check: the GPU compilers (`bench/gpu_compile.py` runs them for an H200
 without a GPU, where JAX's CUDA plugin is installed), and memory and speed at run time
@@ -71,7 +72,7 @@ class Recorder:
         self.programs = dataclasses.replace(programs, **wrapped)
 
     def _wrap(self, name, fn):
-        def call(*args):
+        def call(*args):   # (static arguments, forward's splits, are positional ints)
             abstract = jax.tree.map(_abstract, args)
             key = (name, repr(abstract))
             with self._lock:
@@ -143,6 +144,10 @@ def check_engine_on_gpu_programs(base: Model, n_requests: int):
             want = reference.generate_points(base, enc, req.prompt, with_size=False,
                                              max_objects=req.settings.max_objects)
             assert out["objects"] == want["objects"], req
+    # The engine planned splits from the rows' lengths (image prompts: ~760 positions, 2
+    # splits), so the split kernel and its combine produced the tokens compared above.
+    splits = {args[6] for n, args in rec.calls.values() if n == "forward"}
+    assert 2 in splits, splits
     dispatched = {n if isinstance(n, str) else n[0] for n, _ in rec.calls.values()}
     assert {"image_kv", "write_prefix_pages", "copy_pages", "prefill_slot", "forward",
             "sample_step", "prefill", "decode"} <= dispatched, dispatched
@@ -164,54 +169,20 @@ def test_moondream3_on_the_gpu_programs_equals_the_reference_and_lowers_for_cuda
     check_engine_on_gpu_programs(biased_model(md3_ckpt, {0: 0.8}), 2)
 
 
-def test_kernel_blocks_are_powers_of_two_that_tile_the_page_table():
-    """Every table width and page size gets a split and a block size the Triton lowering
-    takes (a power of 2) that tile the table exactly, with steps of at most the positions
-    the dtype's tiles fit in an H200's shared memory (bench/gpu_compile.py: float32 128,
-    bfloat16 256 at head dim 64); widths that allow it keep 16 splits."""
-    assert kvpool.kernel_max_positions(jnp.float32, 64) == 128
-    assert kvpool.kernel_max_positions(jnp.bfloat16, 64) == 256
-    assert kvpool.kernel_max_positions(jnp.bfloat16, 128) == 128
-    for most in (128, 256):
-        for page in (16, 32, 64, 128):
-            for m in range(1, 1025):
-                k_splits, per_block = kvpool.kernel_blocks(m, page, most)
-                assert m % k_splits == 0 and (m // k_splits) % per_block == 0, (m, page)
-                assert per_block in (1, 2, 4, 8) and k_splits <= 16, (m, page)
-                assert per_block * page <= most, (m, page, most)
-    assert kvpool.kernel_blocks(32, 64, 256) == (16, 2)    # Moondream 2: 2048 positions
-    assert kvpool.kernel_blocks(512, 64, 256) == (16, 4)   # Moondream 3: 32k positions
-    assert kvpool.kernel_blocks(512, 64, 128) == (16, 2)   # ... in float32
-    assert kvpool.kernel_blocks(25, 32, 256) == (5, 1)     # 800 positions in pages of 32
-
-
-def test_a_page_too_large_for_the_gpu_kernel_is_refused_by_name(tiny_ckpt):
-    """A float32 model on the GPU kernel with pages of 256 positions: the kernel would load
-    a 256-position float32 tile per step, which does not fit (bench/gpu_compile.py); the
-    engine refuses at start, naming page_size and the largest that works."""
-    base = biased_model(tiny_ckpt, {})
-    model = Model(base.cfg, base.params, base.prompts.tok, attention=pallas_attention())
-    assert model.cfg.dtype == "float32"
-    with pytest.raises(ValueError, match=r"page_size=256 is too large .* float32 .* "
-                                         r"use page_size=128 or less"):
-        Engine(model, max_batch_size=2, max_context=800, page_size=256)
-    Engine(model, max_batch_size=2, max_context=800, page_size=128).close()
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_kernel_multiplies_float32_in_float32(dtype):
-    """The Pallas kernel's products take the default matmul precision, TF32 on GPU for
-    float32 inputs; a float32 pool's attention asks for HIGHEST, as every other product of
-    a float32 model does (a bfloat16 pool keeps the default)."""
+    """JAX's kernel multiplied on the tensor cores at the default precision, TF32 for
+    float32; ours is a mat-vec on the vector units (`gpu_attention`): no dot at all, so a
+    float32 pool's scores and outputs are float32 products, whatever the precision flag."""
     r, n, h, kh, p, t, m = 2, 4, 64, 4, 16, 16, 8
     pool = jax.ShapeDtypeStruct((kh, p, t, h), jnp.dtype(dtype))
-    jaxpr = str(jax.make_jaxpr(lambda k, v, q, pt, ln: kvpool.kernel_attend(
-        (k,), (v,), q, pt, ln))(pool, pool, jax.ShapeDtypeStruct((r, n, h), jnp.float32),
-                                jax.ShapeDtypeStruct((r, m), jnp.int32),
-                                jax.ShapeDtypeStruct((r,), jnp.int32)))
-    assert "pallas_call" in jaxpr
-    highest = "(Precision.HIGHEST, Precision.HIGHEST)" in jaxpr
-    assert highest == (dtype == "float32"), jaxpr.count("Precision")
+    for splits in (1, 4):
+        jaxpr = str(jax.make_jaxpr(lambda k, v, q, pt, ln: kvpool.kernel_attend(
+            (k,), (v,), q, pt, ln, splits=splits))(
+                pool, pool, jax.ShapeDtypeStruct((r, n, h), jnp.float32),
+                jax.ShapeDtypeStruct((r, m), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.int32)))
+        assert "pallas_call" in jaxpr
+        assert "dot_general" not in jaxpr and "mul" in jaxpr
 
 
 @pytest.mark.parametrize("cfg_fn, dtype", [(moondream2, "bfloat16"), (moondream3, "bfloat16"),

@@ -112,8 +112,9 @@ def dense_attention(q_QH, k_KSH, v_KSH):
 @pytest.mark.parametrize("kh,g", [(4, 1), (2, 2)], ids=["mha", "gqa"])
 def test_sweep_and_pallas_kernel_equal_dense_attention(kh, g):
     """Ragged rows, lengths at page boundaries (1, 16, 17, 31, 32, 100 positions), pages
-    scattered over arenas: the XLA sweep and JAX's Pallas paged-attention kernel (run by the
-    Pallas interpreter) both equal attention over the row's positions gathered densely."""
+    scattered over arenas: the XLA sweep and our Pallas decode-attention kernel (run by the
+    Pallas interpreter; every split: tests/test_gpu_attention.py) both equal attention over
+    the row's positions gathered densely."""
     rng = np.random.default_rng(kh)
     h, page, m = 32, 16, 8
     arenas = M.Arenas((12, 12, 24))

@@ -1,0 +1,53 @@
+"""The platform choice is made once (`step.choose` -> `step.Platform`) and read everywhere
+else: the engine, the memory plan and the preflight agree because they read one record."""
+
+import os
+import re
+
+import pytest
+
+from photon_jax import memory, step
+from photon_jax.config import moondream2, tiny
+
+PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "photon_jax")
+
+
+def test_the_record_of_each_platform():
+    cfg = moondream2("bfloat16")
+    gpu = step.choose(cfg, "gpu")
+    assert gpu.attention.startswith("pallas") and not gpu.sweeps and gpu.shares_prefix
+    assert gpu.plans_splits and gpu.grouped == "ragged" and not gpu.host_memory
+    assert not gpu.dense and not gpu.vision_loop and gpu.dtype == "bfloat16"
+    xla = step.choose(tiny(), "cpu", "xla")
+    assert xla.sweeps and not xla.shares_prefix and not xla.plans_splits
+    assert xla.host_memory and xla.vision_loop and xla.grouped == "blocks"
+    assert step.choose(tiny(), "cpu", "xla", "int8").kv_dtype == "int8"
+    with pytest.raises(ValueError, match="attention must be one of"):
+        step.choose(tiny(), "cpu", "flash")
+
+
+def test_the_memory_plan_reads_the_same_record_as_the_engine():
+    """A CPU plan asked by name gets the default attention's layout (one arena for the
+    kernel, arenas for the sweep), as the engine built on that record does."""
+    kw = dict(max_batch_size=4, max_context=1024, page_size=64, kv_cache_tokens=8192)
+    cfg = tiny()
+    for attention in ("xla", step.default_attention("cpu")):
+        rec = step.choose(cfg, "cpu", attention)
+        plan = memory.plan(cfg, platform=rec, **kw)
+        assert (len(plan.arenas.sizes) > 1) == rec.sweeps
+    assert memory.plan(cfg, platform="cpu", **kw).arenas == \
+        memory.plan(cfg, platform=step.choose(cfg, "cpu"), **kw).arenas
+
+
+def test_no_module_but_step_compares_platform_or_attention_names():
+    pat = re.compile(r"""(==|!=)\s*["'](cpu|gpu|tpu|xla|cpu-kernel|pallas[\w-]*)["']|"""
+                     r"""startswith\(["'](pallas|cpu|xla)""")
+    found = []
+    for root, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py") and f != "step.py":
+                path = os.path.join(root, f)
+                for i, line in enumerate(open(path), 1):
+                    if pat.search(line):
+                        found.append(f"{os.path.relpath(path, PKG)}:{i}: {line.strip()}")
+    assert not found, "\n".join(found)
