@@ -15,7 +15,7 @@ from photon_jax.checkpoint import CheckpointError
 from photon_jax.image import ImageError, load_image
 from photon_jax.settings import SettingsError
 
-from conftest import FIXTURE_DIR
+from helpers import FIXTURE_DIR
 
 LAND = os.path.join(FIXTURE_DIR, "img_land800x600.png")
 GREEDY = {"temperature": 0, "max_tokens": 12}

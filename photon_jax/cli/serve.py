@@ -44,9 +44,9 @@ from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import aio
-from .image import ImageError
-from .request import EngineError, RequestError
+from .. import aio
+from ..image import ImageError
+from ..request import EngineError, RequestError
 from .serve_inputs import (ApiError, Fields, bad, check_settings, decode_data_uri,
                            fetch_image, openai_finish, parse_chat)
 from .serve_metrics import Metrics
@@ -648,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
                          allow_remote_images=args.allow_remote_images, model_name=name)
 
     def load():
-        from .api import Moondream
+        from ..api import Moondream
         return Moondream.load(args.model, revision=args.revision, dtype=args.dtype,
                               max_batch_size=args.batch_size, max_context=args.max_context,
                               kv_cache_tokens=args.kv_cache_tokens, kv_dtype=args.kv_dtype,
