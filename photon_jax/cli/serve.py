@@ -595,6 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compute dtype (default: the checkpoint's; float32 on CPU)")
     ap.add_argument("--device", type=int, default=None, metavar="INDEX",
                     help="the accelerator to use (default: the first)")
+    ap.add_argument("--tensor-parallel", type=int, default=None, metavar="K",
+                    help="one model over the first K devices (tensor parallel; the same "
+                         "answers as one device)")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="threads decoding and cropping images")
     ap.add_argument("--no-prefix-cache", action="store_true", help="do not reuse image prefixes")
@@ -653,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_batch_size=args.batch_size, max_context=args.max_context,
                               kv_cache_tokens=args.kv_cache_tokens, kv_dtype=args.kv_dtype,
                               prefix_cache=not args.no_prefix_cache, workers=args.workers,
-                              device=args.device,
+                              device=args.device, tensor_parallel=args.tensor_parallel,
                               compile_cache=not args.no_compile_cache,
                               warmup=not args.no_warmup)
 
