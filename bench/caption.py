@@ -80,9 +80,23 @@ def write_images(folder: str, n: int) -> None:
         Image.fromarray(a).save(os.path.join(folder, f"img{i:04d}.jpg"), quality=90)
 
 
+def caption_cli():
+    """photon-caption's module in the photon_jax this process imported:
+    `photon_jax.cli.caption`, or `photon_jax.caption` in an older checkout (`--source-tree`).
+    Chosen by the files beside it, not by trying the import: an editable install maps
+    `photon_jax.cli` to its own tree whichever photon_jax came first."""
+    import importlib
+
+    import photon_jax
+
+    here = os.path.dirname(os.path.abspath(photon_jax.__file__))
+    new = os.path.isfile(os.path.join(here, "cli", "caption.py"))
+    return importlib.import_module("photon_jax.cli.caption" if new else "photon_jax.caption")
+
+
 def caption(ckpt: str, images: str, batch: int, max_tokens: int, out: str,
             dtype: str | None = None) -> dict:
-    from photon_jax import caption as cli
+    cli = caption_cli()
 
     argv = [images, "--model", ckpt, "--batch-size", str(batch), "--max-tokens",
             str(max_tokens), "--no-sidecar", "--jsonl", out, "--quiet", "--overwrite"]
@@ -130,7 +144,7 @@ def _passes(ckpt, images, batch, max_tokens, out, dtype) -> list[dict]:
 
 def _one_run(ckpt, images, batch, max_tokens, out, dtype) -> list[dict]:
     """(In a child process.)  One photon-caption run: rates, load time, first caption."""
-    from photon_jax import caption as cli
+    cli = caption_cli()
 
     argv = [images, "--model", ckpt, "--batch-size", batch, "--max-tokens", max_tokens,
             "--no-sidecar", "--jsonl", out, "--quiet", "--overwrite"]

@@ -5,8 +5,8 @@ answered with the cache on and off, in one process; one JSON line per setting:
   {"bench": "prefix", "cache", "images", "questions_per_image", "requests", "seconds",
    "images_per_s", "requests_per_s", "hits", "misses", "hit_rate", "same_answers"}
 
-A hit copies the cached prefix's pages into the request's own instead of running the vision
-encoder and the 730-position prefix prefill.  `same_answers`: the answers with the cache on
+A hit reads the cached prefix's pages in place (copying only its partial last page) instead
+of running the vision encoder and the 730-position prefix prefill.  `same_answers`: the answers with the cache on
 equal those with it off (they must).  Each setting first runs the same workload on other images of the same sizes, untimed
 (compilation).
 

@@ -7,7 +7,7 @@ sets of N noise JPEGs of mixed sizes (378x378, 640x480, 800x600, 1024x768, 1500x
 the image-prefix cache never hits).  On a local Ray cluster (2 CPUs) the same images are
 captioned greedily ("normal" captions, a fixed --max-tokens, --batch rows per engine):
 
-  cli   `photon_jax.caption.run` in this process, after an untimed run over the warm-up set
+  cli   `photon_jax.cli.caption.run` in this process, after an untimed run over the warm-up set
         that compiles every program it meets; images/s is the CLI's own `Summary` (from the
         first submission to the last write, model load excluded);
   ray   `caption_dataset` over `ray.data.read_binary_files` with one Captioner actor on
@@ -82,7 +82,7 @@ def make_images(folder: str, n: int, seed: int) -> list[str]:
 def cli_run(ckpt: str, images: str, batch: int, max_tokens: int, workers: int,
             out: str) -> tuple[dict, dict]:
     """One photon-caption run in this process: (its numbers, {abspath: record})."""
-    from photon_jax import caption as cli
+    from photon_jax.cli import caption as cli
 
     argv = [images, "--model", ckpt, "--batch-size", str(batch), "--max-tokens",
             str(max_tokens), "--workers", str(workers), "--no-sidecar", "--jsonl", out,

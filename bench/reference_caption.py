@@ -104,7 +104,7 @@ ROOT = os.path.dirname(HERE)
 FIXTURE_TOKENIZER = os.path.join(ROOT, "tests", "fixtures", "moondream2-tiny", "tokenizer.json")
 IMAGE_EXTS = frozenset(
     ".jpg .jpeg .jpe .jfif .png .apng .webp .bmp .dib .gif .tif .tiff .ppm .pgm .pbm .pnm "
-    ".tga .ico .avif".split())   # photon-caption's (photon_jax/caption.py)
+    ".tga .ico .avif".split())   # photon-caption's (photon_jax/cli/caption.py)
 # The reference's config schema (moondream/torch/config.py): config.json's "config" dict
 # holds these keys only (photon-convert refuses keys outside the reference's schema too).
 REF_TEXT_KEYS = ("dim", "ff_dim", "n_layers", "vocab_size", "max_context", "n_heads",

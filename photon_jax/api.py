@@ -23,8 +23,9 @@ result dicts are exactly Moondream's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import jax
 from tqdm.auto import tqdm
@@ -231,7 +232,7 @@ class Moondream:
                                    return_metrics).wait_async()
 
     def _caption(self, image, length, stream, settings, return_metrics) -> "_Call":
-        return self._submit(image, _Shared([None]), stream, self._caption_maker(length, settings),
+        return self._submit(image, _Shared(None), stream, self._caption_maker(length, settings),
                             lambda r: {"caption": r["text"]}, key="caption",
                             return_metrics=return_metrics)
 
@@ -411,13 +412,13 @@ class Moondream:
         if not batch:
             if image is None and not optional_image:
                 raise ValueError(NEED_IMAGE)
-            return _Call([engine.submit(make(image, args[0]))], False, stream, key, shape)
+            return _Call([engine.submit(make(image, args.value))], False, stream, key, shape)
         if stream:
             raise ValueError("stream=True works on one image at a time; for a list, call "
                              "without stream (results come back in input order)")
         images = image if isinstance(image, list) else [image] * len(args)
         if isinstance(args, _Shared):
-            args = [args[0]] * len(images)
+            args = [args.value] * len(images)
         if len(args) != len(images):
             raise ValueError(f"{len(images)} images but {len(args)} questions/objects; pass one "
                              "string for all, or a list of the same length")
@@ -493,19 +494,22 @@ def _progress(handles) -> None:
     with tqdm(total=len(handles), unit="req") as bar:
         pending = list(handles)
         while pending:
-            pending[0]._done.wait(0.1)
+            pending[0].wait(0.1)
             left = [h for h in pending if not h.done()]
             bar.update(len(pending) - len(left))
             pending = left
 
 
-class _Shared(list):
-    """One question/object shared by every image of a call."""
+@dataclasses.dataclass(frozen=True)
+class _Shared:
+    """One question/object (or None) for every image of a call, as opposed to a list of
+    one per image: a single image with it is a single call, not a batch."""
+    value: Any
 
 
-def _check_strings(x, name: str) -> list:
+def _check_strings(x, name: str) -> "list | _Shared":
     items = x if isinstance(x, list) else [x]
     for v in items:
         if not isinstance(v, str) or not v.strip():
             raise ValueError(f"{name} must be a non-empty string (or a list of them), got {v!r}")
-    return items if isinstance(x, list) else _Shared(items)
+    return items if isinstance(x, list) else _Shared(x)

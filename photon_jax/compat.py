@@ -4,7 +4,7 @@ photon_jax is tested on jax 0.10.2 (CPU, in CI); the GPU image it is measured on
 0.11.2.  Private and experimental names can move between releases, so every use goes
 through a function here that checks what it gets and raises `JaxCompatError` -- naming the
 installed version, the API and what to do -- instead of failing deep inside a trace or,
-worse, computing something else.  The README's "JAX versions" note lists the same table:
+worse, computing something else.  docs/platforms.md lists the same table:
 
 | API | used by | for |
 |---|---|---|

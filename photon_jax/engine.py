@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -53,7 +54,7 @@ from .model import Model
 from .pages import pages_for
 from .pipeline import PipelineState
 from .request import EngineError, Handle, Request, RequestError
-from .scheduler import Scheduler, Seq
+from .scheduler import Outbox, Scheduler, Seq
 from .tokenizer import region_inputs
 
 _I32 = np.int32
@@ -137,7 +138,6 @@ class Engine:
         self.sched = Scheduler(max_batch_size=max_batch_size, n_pages=self.arenas.n_pages,
                                page_size=page_size, prefix_len=cfg.prefix_len,
                                prefill_tokens=prefill_tokens, prefix_cache=prefix_cache,
-                               reprepare=self._reprepare,
                                record_events=record_events, share_prefix=plat.shares_prefix)
         self.pipe = PipelineState()
         self.steps_log: collections.deque[StepRecord] = collections.deque(maxlen=log_steps)
@@ -203,6 +203,7 @@ class Engine:
             raise EngineError("the engine is closed" if self.failure is None else
                               f"the engine stopped after an error: {self.failure}")
         handles, seqs = [], []
+        failed = Outbox()   # requests refused here, before the scheduler sees them
         pixels = {}   # id(PIL image) -> its pixels: a list sharing one image copies it once
         for req in reqs:
             h = Handle(self, req)
@@ -218,12 +219,15 @@ class Engine:
                     h.request = dataclasses.replace(req, image=pixels[id(req.image)])
                 seqs.append(self._admit(h))
             except (RequestError, ValueError, TypeError) as e:
-                h._finish(error=e)
+                failed.result(h, error=e)
+        failed.flush()
         self._inbox.put(seqs)
         self._wake.set()
         if not self.alive:   # the scheduler exited between the check above and the put
+            late = Outbox()   # (its own last flush may have failed them too: first wins)
             for h in handles:
-                h._finish(error=EngineError("the engine is closed"))
+                late.result(h, error=EngineError("the engine is closed"))
+            late.flush()
         return handles
 
     def encode(self, image) -> Handle:
@@ -249,8 +253,9 @@ class Engine:
                 f"context of {self.max_context} tokens; shorten the question")
         skill = None if encode else skills.for_request(
             req, cfg.tokenizer, prompt_end=p_end, max_context=self.max_context,
-            decode=self.model.prompts.decode, on_text=h._put_text,
-            on_reasoning=h._set_reasoning)
+            decode=self.model.prompts.decode,
+            on_text=functools.partial(self.sched.outbox.text, h),
+            on_reasoning=functools.partial(self.sched.outbox.reasoning, h))
         seq = Seq(h, base, p_end, skill)
         h.id = seq.id
         seq.need_pages = self.sched.budget_pages(seq, self.max_context)
@@ -277,22 +282,17 @@ class Engine:
         if img is None or isinstance(img, (EncodedImage, PreparedImage, ImagePrefix)):
             seq.image, seq.ready = img, True
         else:
-            seq.prep = self._pool.submit(frontend.prepare_image, self.model, img,
-                                         self._cached)
-            seq.prep.add_done_callback(lambda _: self._wake.set())
+            # The cache's keys now, a hint for skipping the crops of a cached image: if the
+            # entry is gone by the time the request is admitted, it is prepared again.
+            c = self.sched.cache
+            self._prepare(seq, c.keys if c.enabled else frozenset())
         return seq
 
-    def _reprepare(self, seq: Seq) -> None:
-        """(Scheduler thread.)  Prepare a request's image again, crops included: its crops
-        were skipped on a predicted cache hit whose entry has been evicted since."""
-        seq.prep = self._pool.submit(frontend.prepare_image, self.model, seq.req.image)
+    def _prepare(self, seq: Seq, skip_crops_for=frozenset()) -> None:
+        """Decode, hash and crop the request's image on a worker thread (`seq.prep`)."""
+        seq.prep = self._pool.submit(frontend.prepare_image, self.model, seq.req.image,
+                                     skip_crops_for)
         seq.prep.add_done_callback(lambda _: self._wake.set())
-
-    def _cached(self, key: bytes) -> bool:
-        """(Any thread.) Is this image prefix cached?  A hint for skipping its crops: if the
-        entry is gone by the time the request is admitted, it is prepared again."""
-        c = self.sched.cache
-        return c.enabled and key in c.entries
 
     def _unpin(self, key: bytes) -> None:
         """(Any thread, including a finalizer.)  Queued for the scheduler thread."""
@@ -383,7 +383,7 @@ class Engine:
             self.dev.pool = P.copy_pages(self.dev.pool, put(copied), put(copied))
         for hw in ((768, 1024), (1024, 768), (1024, 1024)):
             prep = frontend.prepare_image(self.model, np.full((*hw, 3), 128, np.uint8))
-            self._write_prefix(frontend.encode_prepared(self.model, prep), zero)
+            self._write_prefix(self._encode(prep), zero)
         jax.block_until_ready(self.dev.pool)
 
     @property
@@ -402,6 +402,9 @@ class Engine:
                 self._take_inbox()
                 self.sched.settle_cancels()
                 progressed = self._tick()
+                for s in self.sched.take_unprepared():
+                    self._prepare(s)
+                self.sched.flush_outbox()   # what the tick decided outside a commit
                 if not progressed:
                     if (self._closing and self.sched.drained() and self.pipe.idle()
                             and self._inbox.empty()):
@@ -451,13 +454,11 @@ class Engine:
     def _run_encodes(self) -> None:
         """`Engine.encode` jobs: pin the image's entry, computing it if it is not cached."""
         while (job := self.sched.next_encode()) is not None:
-            s, (kind, entry) = job
-            if kind == "miss":
+            s, src = job
+            if not src.hit:
                 with hostsync.sync_free():
-                    self._write_prefix(frontend.encode_prepared(self.model, s.image),
-                                       entry.pages)
-            self.sched.encodes.remove(s)
-            s.handle._finish(EncodedImage(self, s.key, self.sched.cache.entries[s.key].tiling))
+                    self._write_prefix(self._encode(s.image), src.entry.pages)
+            self.sched.finish_encode(s, EncodedImage(self, s.key, src.entry.tiling))
 
     # launch ---------------------------------------------------------------------------
 
@@ -480,6 +481,9 @@ class Engine:
         """Page and offset of each prefix position, for pages in logical order."""
         pos = np.arange(self.cfg.prefix_len)
         return np.asarray(pages, _I32)[pos // self.page_size], (pos % self.page_size).astype(_I32)
+
+    def _encode(self, prep: PreparedImage) -> ImagePrefix:
+        return frontend.encode_prepared(self.programs.image_kv, self.model.params, prep)
 
     def _write_prefix(self, enc: ImagePrefix, pages: list[int]) -> None:
         page_s, off_s = self._prefix_slots(pages)
@@ -521,22 +525,19 @@ class Engine:
         with hostsync.sync_free():
             for s in batch:
                 src, img = s.source, s.image
-                s.handle._input_tokens = s.prompt_end
-                if src is not None:
-                    s.handle._prefix_hit = src[0] == "hit"
-                if src is not None and src[0] == "hit":
+                if src is not None and src.hit:
                     self.sched.cache.count_hit()
-                    self._copy_unshared(s, src[1])
+                    self._copy_unshared(s, src.entry)
                 elif isinstance(img, ImagePrefix):
                     self._write_prefix(img, s.pages)
                 elif src is not None:   # a miss: encode once, into the new entry if any
                     self.sched.cache.count_miss()
-                    enc = frontend.encode_prepared(self.model, img)
-                    if src[1] is None:
+                    enc = self._encode(img)
+                    if src.entry is None:
                         self._write_prefix(enc, s.pages)
                     else:
-                        self._write_prefix(enc, src[1].pages)
-                        self._copy_unshared(s, src[1])
+                        self._write_prefix(enc, src.entry.pages)
+                        self._copy_unshared(s, src.entry)
                 s.image = s.source = None   # the prefix now lives in its pages
             meta_d = put(pre)
             dev = self.dev

@@ -3,7 +3,7 @@ keep.  Used by the engine, the API and the one-request path alike.
 
 - `prepare_image` (any thread): decode the image (EXIF rotation, RGB), hash its pixels (the
   prefix cache's key), cut the overlap crops and upload them with the pooling operands:
-  a `PreparedImage`.  When the caller says the key is cached already, the crops are skipped.
+  a `PreparedImage`.  When the caller lists the key as cached already, the crops are skipped.
 - `encode_prepared` (device only, asynchronous): vision encoder, projection and the prefix
   prefill of BOS + image tokens: an `ImagePrefix`, the 730 positions' K/V as dense arrays.
 - `EncodedImage`: what `Moondream.encode_image` returns, a handle on an image prefix kept in
@@ -16,7 +16,7 @@ import hashlib
 import threading
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Container
 
 import jax
 import numpy as np
@@ -65,14 +65,14 @@ def image_key(pixels: np.ndarray) -> bytes:
     return h.digest()
 
 
-def prepare_image(model, img, cached: Callable[[bytes], bool] | None = None) -> PreparedImage:
-    """Decode + hash (+ crop and upload, unless `cached(key)` says the prefix is cached).
-    Host work only; explicit uploads (no implicit transfer later)."""
+def prepare_image(model, img, skip_crops_for: Container[bytes] = frozenset()) -> PreparedImage:
+    """Decode + hash (+ crop and upload, unless the key is in `skip_crops_for`: prefixes
+    cached already).  Host work only; explicit uploads (no implicit transfer later)."""
     rgb = image_mod.load_image(img)
     pixels = np.asarray(rgb)
     key = image_key(pixels)
     tiling = image_mod.crop_tiling(pixels.shape[0], pixels.shape[1], model.cfg.vision)
-    if cached is not None and cached(key):
+    if key in skip_crops_for:
         return PreparedImage(key, tiling)
     crops = image_mod.make_crops(rgb, model.cfg.vision)
     src, ph, pw = image_mod.pool_operands(crops.tiling, model.cfg.vision)
@@ -80,11 +80,12 @@ def prepare_image(model, img, cached: Callable[[bytes], bool] | None = None) -> 
     return PreparedImage(key, crops.tiling, put(crops.crops), put(src), put(ph), put(pw))
 
 
-def encode_prepared(model, prep: PreparedImage) -> ImagePrefix:
-    """Device only (asynchronous): vision encoder, projection and the image prefix KV."""
+def encode_prepared(image_kv, params, prep: PreparedImage) -> ImagePrefix:
+    """Device only (asynchronous): vision encoder, projection and the image prefix KV, by
+    the caller's `image_kv` program (`step.Programs.image_kv`)."""
     if not prep.has_crops:
         raise ValueError("this PreparedImage has no crops (its prefix was cached)")
-    k, v = model.programs.image_kv(model.params, prep.crops, prep.src, prep.ph, prep.pw)
+    k, v = image_kv(params, prep.crops, prep.src, prep.ph, prep.pw)
     return ImagePrefix(k, v, prep.tiling)
 
 

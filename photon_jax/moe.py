@@ -21,7 +21,7 @@ Schedules, chosen from static shapes (`schedule`):
   token -- when few are selected: reading U experts (and writing and reading their gathered
   copy) costs less than reading all E.  Both are one product batched over experts.  On CPU
   the `blocks` loop below is faster at 8-32 tokens, but it reads an expert once per block,
-  so decode does not use it (bench/README.md, `bench/moe.py`).
+  so decode does not use it (`bench/moe.py` measures each schedule).
 - prefill: `ragged` (`jax.lax.ragged_dot`, a grouped matmul over the assignments sorted by
   expert: XLA:GPU's grouped GEMM) on GPU; on CPU, where ragged_dot is a masked product over
   every expert, `blocks`: the assignments sorted by expert in blocks of `block` rows of one

@@ -106,10 +106,13 @@ class Entry:
 
 @dataclass
 class PrefixCache:
-    """Image prefixes by content key, least recently used first."""
+    """Image prefixes by content key, least recently used first.  Owned by the scheduler's
+    thread, but `keys` (the cached keys: a frozenset replaced, never changed, on every
+    insert and drop) may be read from any thread."""
     allocator: PageAllocator
     enabled: bool = True
     entries: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    keys: frozenset = frozenset()
     hits: int = 0
     misses: int = 0
     inserts: int = 0
@@ -140,6 +143,7 @@ class PrefixCache:
         e = Entry(key, self.allocator.take(n_pages, reserved=False, top=True), tiling,
                   pins=int(pin))
         self.entries[key] = e
+        self.keys = self.keys | {key}
         self.inserts += 1
         return e
 
@@ -169,8 +173,14 @@ class PrefixCache:
         if e.pins == 0 and not self.enabled:
             self._drop(e)
 
+    def remove(self, key: bytes) -> Entry | None:
+        """Take an entry out without giving its pages back (the caller does) -> it, if any."""
+        e = self.entries.pop(key, None)
+        self.keys = self.keys - {key}
+        return e
+
     def _drop(self, e: Entry) -> None:
-        del self.entries[e.key]
+        self.remove(e.key)
         self.allocator.give_back(e.pages)
 
     def pages(self) -> int:

@@ -40,7 +40,7 @@ def encode_image(model: Model, img, trace: dict | None = None) -> ImagePrefix:
     if isinstance(img, ImagePrefix):
         return img
     prep = prepare_image(model, img)
-    enc = encode_prepared(model, prep)
+    enc = encode_prepared(model.programs.image_kv, model.params, prep)
     if trace is not None:
         feats, emb = model.programs.encode_image(model.params, prep.crops, prep.src, prep.ph,
                                                  prep.pw)

@@ -1,10 +1,11 @@
 """The caller's side of a generation: `Request` (what to run), `Handle` (its result, stream,
 cancel and metrics) and the two errors.
 
-The API, the CLI and the Ray integration use these without importing the scheduler; the
-engine (`engine.Engine`) creates handles and finishes them from its scheduler thread.  A
-handle only needs its runner to wake it (after `cancel`) and to say whether it is still
-alive (`Runner`).
+The API, the CLI and the Ray integration use these without importing the scheduler.  A
+handle has one writer, `scheduler.Outbox`: everything a request learns (its prefill, each
+committed token, text pieces, the reasoning, its result or error) arrives through the
+handle's `deliver_*` methods, called from there only, in order.  A handle only needs its
+runner to wake it (after `cancel`) and to say whether it is still alive (`Runner`).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ class Handle:
         self._callbacks: list = []
         self._cb_lock = threading.Lock()
         self._progress: list = []   # fn(handle) after each text piece / the reasoning (aio)
-        # Filled by the scheduler for `metrics()`: submit / first-token / end times, prompt
-        # positions, tokens committed, whether the image prefix came from the cache.
+        # For `metrics()`: submit / first-token / end times, prompt positions, tokens
+        # committed, whether the image prefix came from the cache.
         self._t_submit = time.perf_counter()
         self._t_first = self._t_end = None
         self._input_tokens = self._output_tokens = 0
@@ -79,6 +80,10 @@ class Handle:
     def done(self) -> bool:
         """-> True once the request finished (result, error or cancellation)."""
         return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the request finished or `timeout` seconds passed -> `done()`."""
+        return self._done.wait(timeout)
 
     def metrics(self) -> dict:
         """How the request ended and what it cost, once it finished: {"finish_reason"
@@ -179,12 +184,24 @@ class Handle:
             if not self._done.is_set():
                 self.cancel()
 
-    # scheduler side
-    def _put_text(self, piece: str) -> None:
+    # The delivery side: called by `scheduler.Outbox` only (see the module docstring).
+
+    def deliver_prefill(self, input_tokens: int, prefix_hit: bool | None) -> None:
+        """The request's prefill was launched: its prompt positions, image prefix included,
+        and whether that prefix came from the cache (None: no image prefix)."""
+        self._input_tokens, self._prefix_hit = input_tokens, prefix_hit
+
+    def deliver_token(self, now: float) -> None:
+        """One of its tokens was committed at `now` (perf_counter)."""
+        self._output_tokens += 1
+        if self._t_first is None:
+            self._t_first = now
+
+    def deliver_text(self, piece: str) -> None:
         self._texts.put(piece)
         self._notify()
 
-    def _set_reasoning(self, reasoning: dict) -> None:
+    def deliver_reasoning(self, reasoning: dict) -> None:
         self._reasoning = reasoning
         self._reasoned.set()
         self._notify()
@@ -196,15 +213,17 @@ class Handle:
             except Exception:   # a caller's bug must not stop the scheduler
                 logging.getLogger(__name__).exception("progress callback failed")
 
-    def _finish(self, result=None, error: BaseException | None = None) -> None:
-        if self._done.is_set():
-            return
-        self._result, self._error = result, error
-        self._t_end = time.perf_counter()
-        if self._reasoning is None and isinstance(result, dict):
-            self._reasoning = result.get("reasoning")
-        self._reasoned.set()
+    def deliver_result(self, result=None, error: BaseException | None = None) -> None:
+        """The request finished: its result, or its error.  The first delivery counts (a
+        request that failed alone is not failed again when the engine stops)."""
         with self._cb_lock:
+            if self._done.is_set():
+                return
+            self._result, self._error = result, error
+            self._t_end = time.perf_counter()
+            if self._reasoning is None and isinstance(result, dict):
+                self._reasoning = result.get("reasoning")
+            self._reasoned.set()
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
         self._texts.put(_END)

@@ -8,6 +8,11 @@ included), the rows eligible for the next decode step, and at commit the per-row
 it packs these decisions into arrays, dispatches the device programs and reads the results
 back.  Tests drive this class with fake requests and skills (tests/test_scheduler.py).
 
+What requests learn reaches their handles through one door, the `Outbox`: the scheduler
+queues each event there and the engine flushes it after logging the step it came from.
+The scheduler asks nothing of the engine: images to prepare again wait in `unprepared`
+for the engine to pick up.
+
 Two clocks per sequence (`Seq`): `length` / `n_tokens` advance when a step is *launched*
 (the device's view), the skill's `count` when it is *committed* (the host's view).  A row
 is released -- its row and pages handed to someone else -- only once no launched step
@@ -18,11 +23,63 @@ contains it (`inflight_refs == 0`); a finalized row still in flight rides along 
 from __future__ import annotations
 
 import collections
+import enum
 import itertools
-from typing import Callable
+from dataclasses import dataclass
 
-from .pages import PageAllocator, PrefixCache, pages_for
+from .pages import Entry, PageAllocator, PrefixCache, pages_for
 from .request import EngineError, Handle, RequestError
+
+
+class Origin(enum.Enum):
+    """Where a request's image prefix comes from (`Source.origin`)."""
+    HIT = "hit"       # the prefix cache holds it: the request reads (or copies) the entry
+    MISS = "miss"     # encoded for this request, into a new cache entry when there is one
+    LATER = "later"   # its crops were skipped for a predicted hit evicted since: re-prepared
+
+
+@dataclass(frozen=True)
+class Source:
+    """`Scheduler.source`'s answer (None there: no image prefix to place).  `entry`: the
+    cache entry a hit reads, or the one a miss fills (None: caching off or no room)."""
+    origin: Origin
+    entry: Entry | None = None
+
+    @property
+    def hit(self) -> bool:
+        return self.origin is Origin.HIT
+
+
+LATER = Source(Origin.LATER)
+
+
+class Outbox:
+    """The one writer of request handles (`request.Handle`'s `deliver_*` methods): events
+    are queued as they happen and delivered in order by `flush`.  An instance belongs to one
+    thread (the engine's scheduler thread, or a caller failing requests it never queued)."""
+
+    def __init__(self):
+        self._queue: list = []
+
+    def prefill(self, h: Handle, input_tokens: int, prefix_hit: bool | None) -> None:
+        self._queue.append((h.deliver_prefill, (input_tokens, prefix_hit)))
+
+    def token(self, h: Handle, now: float) -> None:
+        self._queue.append((h.deliver_token, (now,)))
+
+    def text(self, h: Handle, piece: str) -> None:
+        self._queue.append((h.deliver_text, (piece,)))
+
+    def reasoning(self, h: Handle, reasoning: dict) -> None:
+        self._queue.append((h.deliver_reasoning, (reasoning,)))
+
+    def result(self, h: Handle, result=None, error: BaseException | None = None) -> None:
+        self._queue.append((h.deliver_result, (result, error)))
+
+    def flush(self) -> None:
+        queued, self._queue = self._queue, []
+        for deliver, args in queued:
+            deliver(*args)
 
 
 class Seq:
@@ -39,7 +96,7 @@ class Seq:
         self.encoded = False      # the image is an EncodedImage (pinned; never re-prepared)
         self.ready = False
         self.key = None           # the image's prefix-cache key
-        self.source = None        # at admission: ("hit", entry) / ("miss", entry or None) / None
+        self.source: Source | None = None   # set at admission
         self.need_pages = 0       # pages of the whole budget, reserved at admission
         self.pages: list[int] = []   # assigned pages, logical order
         self.shared = None        # key of the cache entry whose full prefix pages lead
@@ -61,16 +118,13 @@ class Scheduler:
     max_batch_size: the rows, numbered 1..max_batch_size (row 0 is the device's dummy row);
     a step takes at most that many.  n_pages: pages of the pool (page 0 is the dummy page).
     prefix_len: positions of an image prefix.  prefill_tokens: prompt positions one prefill
-    launch may take.  reprepare(seq): prepare a request's image again (its crops were skipped
-    on a predicted cache hit that was evicted since); the engine sets `seq.prep` and wakes
-    itself when it is done.  share_prefix: requests read the full pages of their image's
+    launch may take.  share_prefix: requests read the full pages of their image's
     cache entry in place (decode attention through page tables: the kernels); else they
     get copies (the XLA sweep gives each page one owner row)."""
 
     def __init__(self, *, max_batch_size: int, n_pages: int, page_size: int,
                  prefix_len: int, prefill_tokens: int, prefix_cache: bool = True,
-                 reprepare: Callable[[Seq], None] | None = None, record_events: bool = False,
-                 share_prefix: bool = False):
+                 record_events: bool = False, share_prefix: bool = False):
         self.max_batch_size, self.page_size = max_batch_size, page_size
         self.prefill_tokens = prefill_tokens
         self.alloc = PageAllocator(n_pages)
@@ -79,7 +133,9 @@ class Scheduler:
         # Full pages of a prefix (shared when allowed); the last, partial one is copied, as
         # the request's prompt is written into the rest of it.
         self.shared_pages = prefix_len // page_size if share_prefix else 0
-        self.reprepare = reprepare
+        # Requests whose image must be prepared again, crops included (their crops were
+        # skipped for a predicted cache hit evicted since): the engine sets their `prep`.
+        self.unprepared: list[Seq] = []
         self.free_rows = list(range(max_batch_size, 0, -1))   # pop() hands out the lowest
         self.waiting: collections.deque[Seq] = collections.deque()
         self.encodes: collections.deque[Seq] = collections.deque()
@@ -88,9 +144,9 @@ class Scheduler:
         self.commits = 0
         # (event, request id, commit number, detail) for the zombie-accounting tests.
         self.events: list | None = [] if record_events else None
-        # Results finished during a commit go out after its step is logged, so a caller
-        # that holds a result also finds the step that produced it in the step log.
-        self.outbox: list = []
+        # Flushed by the engine after a commit's step is logged, so a caller that holds a
+        # result also finds the step that produced it in the step log.
+        self.outbox = Outbox()
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -118,27 +174,26 @@ class Scheduler:
                 s.key = s.image.key
             except Exception as e:  # unreadable image etc.: this request alone fails
                 (self.encodes if s.skill is None else self.waiting).remove(s)
-                s.handle._finish(error=e)
+                self.outbox.result(s.handle, error=e)
                 return False
         return s.ready
 
-    def source(self, s: Seq):
-        """Where the request's image prefix comes from: ("hit", entry), ("miss", None), None
-        (no image, or a dense prefix), or "later" (a skipped crop whose entry was evicted:
-        prepared again)."""
+    def source(self, s: Seq) -> Source | None:
+        """Where the request's image prefix comes from: a hit, a miss (its entry not made
+        yet), `LATER`, or None (no image, or a dense prefix)."""
         if s.key is None:
             return None
         entry = self.cache.get(s.key)
         if entry is not None:
-            return ("hit", entry)
+            return Source(Origin.HIT, entry)
         if s.encoded:
             raise RequestError("this EncodedImage was released and its prefix evicted; "
                                "encode the image again")
         if not s.image.has_crops:   # predicted a hit that was evicted since: crop it now
-            s.ready, s.image = False, None
-            self.reprepare(s)
-            return "later"
-        return ("miss", None)
+            s.ready, s.image, s.prep = False, None, None
+            self.unprepared.append(s)
+            return LATER
+        return Source(Origin.MISS)
 
     def admit_pages(self, s: Seq, keep: set, shared: int = 0) -> bool:
         """Reserve the request's pages (evicting unpinned cached prefixes least recently used
@@ -184,15 +239,15 @@ class Scheduler:
         return self.cache.insert(s.key, self.prefix_pages, s.image.tiling)
 
     def next_encode(self):
-        """The next encode job that can run now, with its source ("hit", entry) or ("miss",
-        pinned new entry); None when none can (they wait for images or pages)."""
+        """The next encode job that can run now, with its source: a hit, or a miss with its
+        pinned new entry; None when none can (they wait for images or pages)."""
         for s in list(self.encodes):
             if not self.resolve(s):
                 continue
             src = self.source(s)
-            if src == "later":
+            if src is LATER:
                 continue
-            if src[0] == "hit":
+            if src.hit:
                 self.cache.pin(s.key)
                 self.cache.count_hit()
                 return s, src
@@ -202,7 +257,7 @@ class Scheduler:
             if entry is None:
                 continue   # waits for pages
             self.cache.count_miss()
-            return s, ("miss", entry)
+            return s, Source(Origin.MISS, entry)
         return None
 
     # -- launch ---------------------------------------------------------------------------
@@ -233,18 +288,18 @@ class Scheduler:
                 src = self.source(s)
             except RequestError as e:
                 self.waiting.remove(s)
-                s.handle._finish(error=e)
+                self.outbox.result(s.handle, error=e)
                 continue
-            if src == "later":
+            if src is LATER:
                 continue
-            hit = src is not None and src[0] == "hit"
+            hit = src is not None and src.hit
             if not self.admit_pages(s, keep, self.shared_pages if hit else 0):
                 break
             if src is not None:
                 keep.add(s.key)
-                if src[0] == "miss":
-                    src = ("miss", self.cache_miss(s, keep))
-                self.share(s, src[1], owned=not hit)
+                if not hit:
+                    src = Source(Origin.MISS, self.cache_miss(s, keep))
+                self.share(s, src.entry, owned=not hit)
             s.source = src
             batch.append(s)
             tokens += s.prompt_end
@@ -254,9 +309,9 @@ class Scheduler:
         """Give back what planning reserved (the prefill is not launched this tick)."""
         for s in batch:
             self.free_pages(s)
-            if s.source and s.source[0] == "miss" and s.source[1] is not None:
-                self.cache.entries.pop(s.key, None)
-                self.alloc.give_back(s.source[1].pages)
+            if s.source is not None and not s.source.hit and s.source.entry is not None:
+                self.cache.remove(s.key)
+                self.alloc.give_back(s.source.entry.pages)
             s.source = None
 
     def start_prefill(self, batch: list[Seq]) -> None:
@@ -264,6 +319,8 @@ class Scheduler:
         first token sampled by the device (token index 0)."""
         for s in batch:
             self.waiting.remove(s)
+            self.outbox.prefill(s.handle, s.prompt_end,
+                                None if s.source is None else s.source.hit)
             s.row = self.free_rows.pop()
             self._event("acquire", s, s.row)
             self.running.append(s)
@@ -302,10 +359,7 @@ class Scheduler:
                 if s.inflight_refs == 0:
                     self.release(s)
                 continue
-            h = s.handle
-            h._output_tokens += 1
-            if h._t_first is None:
-                h._t_first = now
+            self.outbox.token(s.handle, now)
             try:
                 reason = s.skill.consume(int(tokens[i]), values[i])
             except Exception as e:  # e.g. a tokenizer failure: this request alone fails
@@ -327,9 +381,9 @@ class Scheduler:
             if reason == "cancelled":
                 s.outcome = (result, None)
             else:
-                self.outbox.append((s.handle, (result, None)))
+                self.outbox.result(s.handle, result)
         else:
-            self.outbox.append((s.handle, (None, error)))
+            self.outbox.result(s.handle, error=error)
         if s.inflight_refs == 0:
             self.release(s)
 
@@ -343,7 +397,7 @@ class Scheduler:
         self.free_pages(s)
         s.row = -1
         if s.outcome is not None:
-            self.outbox.append((s.handle, s.outcome))
+            self.outbox.result(s.handle, *s.outcome)
 
     def free_pages(self, s: Seq) -> None:
         self.alloc.give_back(s.pages[self.n_shared(s):])
@@ -353,9 +407,17 @@ class Scheduler:
         s.pages, s.reserved, s.shared = [], 0, None
 
     def flush_outbox(self) -> None:
-        for handle, outcome in self.outbox:
-            handle._finish(*outcome)
-        self.outbox.clear()
+        self.outbox.flush()
+
+    def finish_encode(self, s: Seq, encoded) -> None:
+        """An encode job is done: its result (an `EncodedImage`) goes out."""
+        self.encodes.remove(s)
+        self.outbox.result(s.handle, encoded)
+
+    def take_unprepared(self) -> list[Seq]:
+        """The requests whose image must be prepared again (see `unprepared`)."""
+        out, self.unprepared = self.unprepared, []
+        return out
 
     # -- cancellations, stalls, failure ---------------------------------------------------
 
@@ -368,7 +430,8 @@ class Scheduler:
                     q.remove(s)
                     if s.prep is not None:
                         s.prep.cancel()
-                    s.handle._finish(None if s.skill is None else s.skill.result("cancelled"))
+                    self.outbox.result(s.handle,
+                                       None if s.skill is None else s.skill.result("cancelled"))
         for s in list(self.running):
             if s.handle.cancel_requested and not s.finalized and s.inflight_refs == 0:
                 self.finalize(s, "cancelled")
@@ -392,17 +455,19 @@ class Scheduler:
                 if s.ready and s.need_pages > free:
                     q.remove(s)
                     pinned = self.cache.pages() - self.cache.evictable_pages()
-                    s.handle._finish(error=RequestError(
+                    self.outbox.result(s.handle, error=RequestError(
                         f"this request needs {s.need_pages} KV pages and only {free} can be "
                         f"freed: {pinned} are pinned by EncodedImage handles; release them or "
                         "raise kv_cache_tokens"))
+        self.flush_outbox()
 
     def fail_all(self, err: BaseException) -> None:
         """Every request not finished fails with `err`; every page comes back."""
         self.flush_outbox()   # results that were finished before the failure still count
         for s in itertools.chain(self.waiting, self.encodes, self.running):
-            s.handle._finish(error=err if isinstance(err, EngineError) else
-                             EngineError(f"the engine failed: {err!r}"))
+            self.outbox.result(s.handle, error=err if isinstance(err, EngineError) else
+                               EngineError(f"the engine failed: {err!r}"))
+        self.flush_outbox()
         for s in self.running:
             self.free_pages(s)
         self.waiting.clear()

@@ -10,7 +10,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from helpers import biased_model  # noqa: F401  (tests import it from here)
+from helpers import FIXTURE_DIR, MD3_FIXTURE_DIR
 
 # One persistent XLA compilation cache for the session, shared with the subprocesses the CLI
 # and benchmark tests start (set before JAX is imported): each program compiles once per
@@ -31,10 +31,6 @@ if "PHOTON_JAX_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, _CKPT_CACHE, ignore_errors=True)
     os.environ["PHOTON_JAX_CACHE"] = _CKPT_CACHE
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURE_DIR = os.path.join(HERE, "fixtures", "moondream2-tiny")
-MANIFEST = os.path.join(HERE, "fixtures", "moondream2-manifest.json")
-MD3_FIXTURE_DIR = os.path.join(HERE, "fixtures", "moondream3-tiny")
 
 
 @pytest.fixture(scope="session")
@@ -95,11 +91,3 @@ def md3_arrays():
 def md3_ckpt(tmp_path_factory):
     """The Moondream 3 fixture's HF folder converted with photon-convert (float32)."""
     return _converted(tmp_path_factory, MD3_FIXTURE_DIR, "md3-tiny-f32", "float32")
-
-
-def pallas_attention() -> str:
-    """Our Pallas decode-attention kernel (`gpu_attention`) as this backend runs it: for
-    real on a GPU (a GPU pass of the kernel tests), under the Pallas interpreter elsewhere."""
-    import jax
-
-    return "pallas" if jax.default_backend() == "gpu" else "pallas-interpret"

@@ -1,12 +1,24 @@
-"""Helpers shared by tests and by `bench/gpu_run.py` (which runs the same surfaces on a GPU):
-a model with biased logits, and one call of every public surface.  Imports nothing from JAX
-at module level (conftest imports this before it sets JAX's environment)."""
+"""Helpers shared by tests, and by `bench/gpu_run.py` (which runs the same surfaces on a GPU).
+Test files import what they share from here only, never from each other or from conftest:
+the fixtures' paths, a model with biased logits, one call of every public surface, Hugging
+Face snapshots (good and broken) built from the fixtures, the engine's randomized workloads
+against the one-request path, and the parity checks against the reference's golden cases.
+Imports nothing from JAX at module level (conftest imports this before it sets JAX's
+environment)."""
 
+import json
 import os
+import shutil
+import struct
 import threading
+import time
 
-FIXTURE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures",
-                           "moondream2-tiny")
+import ml_dtypes
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURE_DIR = os.path.join(HERE, "fixtures", "moondream2-tiny")
+MD3_FIXTURE_DIR = os.path.join(HERE, "fixtures", "moondream3-tiny")
 LAND = os.path.join(FIXTURE_DIR, "img_land800x600.png")
 SQ = os.path.join(FIXTURE_DIR, "img_sq378.png")
 GREEDY = {"temperature": 0, "max_tokens": 6}
@@ -105,3 +117,478 @@ def in_threads(fn, n: int, timeout: float = 240) -> list:
         raise errors[0]
     assert len(results) == n, f"{n - len(results)} threads did not finish in {timeout} s"
     return results
+
+
+def pallas_attention() -> str:
+    """Our Pallas decode-attention kernel (`gpu_attention`) as this backend runs it: for
+    real on a GPU (a GPU pass of the kernel tests), under the Pallas interpreter elsewhere."""
+    import jax
+
+    return "pallas" if jax.default_backend() == "gpu" else "pallas-interpret"
+
+
+# -- Hugging Face snapshots built from the fixtures ---------------------------------------
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+_ST_CODE = {
+    BF16: "BF16",
+    np.dtype(np.float16): "F16",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.float64): "F64",
+    np.dtype(np.int8): "I8",
+    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
+}
+_HF_FILES = ("config.json", "tokenizer.json")  # copied from the fixture besides the weights
+
+
+
+def write_safetensors(path, tensors: dict) -> None:
+    """Minimal safetensors writer (numpy's saver may not do bfloat16)."""
+    header, blobs, off = {}, [], 0
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        raw = arr.tobytes()
+        header[name] = {"dtype": _ST_CODE[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for raw in blobs:
+            f.write(raw)
+
+
+def read_safetensors(path) -> dict:
+    from photon_jax.convert.safetensors_io import read_header, read_tensor
+
+    return {name: read_tensor(ref) for name, ref in read_header(str(path)).items()}
+
+
+def make_hf(fixture_dir, root, tensors: dict | None = None, name="hf", config=None):
+    """A copy of the fixture's HF folder under `root`, optionally with other weights/config."""
+    d = root / name
+    d.mkdir(parents=True)
+    for f in _HF_FILES:
+        shutil.copyfile(os.path.join(fixture_dir, f), d / f)
+    if tensors is None:
+        shutil.copyfile(os.path.join(fixture_dir, "model.safetensors"), d / "model.safetensors")
+    else:
+        write_safetensors(d / "model.safetensors", tensors)
+    if config is not None:
+        with open(d / "config.json", "w") as f:
+            json.dump(config, f)
+    return d
+
+
+
+# Broken snapshots (photon-convert's and the loader's bad inputs): each writes one fault into
+# the copy `hf` of the fixture `fx` (tensors `src`) and returns words its error must hold.
+
+def gpt2_tokenizer(path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {"!": 0, '"': 1, "a": 2, "<|endoftext|>": 50256}
+    Tokenizer(WordLevel(vocab, unk_token="!")).save(str(path))
+
+
+def no_specials_tokenizer(path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {"<|endoftext|>": 0, "a": 1, "b": 2}
+    Tokenizer(WordLevel(vocab, unk_token="a")).save(str(path))
+
+
+def other_id0_tokenizer(path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {"<unk>": 0, "<|endoftext|>": 1, "a": 2}
+    Tokenizer(WordLevel(vocab, unk_token="<unk>")).save(str(path))
+
+
+def _truncate(path):
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+    cut = 8 + n + (size - 8 - n) // 2
+    with open(path, "r+b") as f:
+        f.truncate(cut)
+
+
+def _config(fixture_dir, edit):
+    with open(os.path.join(fixture_dir, "config.json")) as f:
+        c = json.load(f)
+    edit(c)
+    return c
+
+
+def bad_missing(src, hf, fx):
+    t = dict(src)
+    del t["model.text.blocks.1.attn.qkv.weight"]
+    write_safetensors(hf / "model.safetensors", t)
+    return ["missing", "text.blocks.1.attn.qkv.weight"]
+
+
+def bad_extra(src, hf, fx):
+    t = dict(src)
+    t["model.text.blocks.2.ln.weight"] = src["model.text.blocks.1.ln.weight"]
+    t["model.vision.foo"] = src["model.vision.post_ln.bias"]
+    write_safetensors(hf / "model.safetensors", t)
+    return ["unexpected", "model.text.blocks.2.ln.weight", "model.vision.foo"]
+
+
+def bad_shape(src, hf, fx):
+    t = dict(src)
+    t["model.text.blocks.0.attn.qkv.weight"] = np.ascontiguousarray(
+        src["model.text.blocks.0.attn.qkv.weight"].T)
+    write_safetensors(hf / "model.safetensors", t)
+    return ["shape", "model.text.blocks.0.attn.qkv.weight", "[64, 192]", "[192, 64]"]
+
+
+def bad_pos_emb_unsqueezed(src, hf, fx):
+    t = dict(src)
+    t["model.vision.pos_emb"] = np.ascontiguousarray(src["model.vision.pos_emb"][0])
+    write_safetensors(hf / "model.safetensors", t)
+    return ["shape", "model.vision.pos_emb", "[1, 729, 16]"]
+
+
+def bad_dtype_i8(src, hf, fx):
+    t = dict(src)
+    t["model.text.post_ln.weight"] = np.ones(src["model.text.post_ln.weight"].shape, np.int8)
+    write_safetensors(hf / "model.safetensors", t)
+    return ["dtype", "model.text.post_ln.weight", "I8"]
+
+
+def bad_dtype_f64(src, hf, fx):
+    t = dict(src)
+    t["model.region.coord_features"] = src["model.region.coord_features"].astype(np.float64)
+    write_safetensors(hf / "model.safetensors", t)
+    return ["dtype", "model.region.coord_features", "F64"]
+
+
+def bad_truncated(src, hf, fx):
+    _truncate(hf / "model.safetensors")
+    return ["truncated", "model.safetensors"]
+
+
+def bad_offsets(src, hf, fx):
+    # a header whose byte range is too short for the declared shape: caught while streaming
+    t = dict(src)
+    write_safetensors(hf / "model.safetensors", t)
+    path = hf / "model.safetensors"
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    name = "model.text.post_ln.bias"
+    a, b = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [a, b - 2]
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + data)
+    return ["model.text.post_ln.bias", "bytes"]
+
+
+def bad_missing_tokenizer(src, hf, fx):
+    os.remove(hf / "tokenizer.json")
+    return ["tokenizer", "not found", "starmie"]
+
+
+def bad_gpt2_tokenizer(src, hf, fx):
+    gpt2_tokenizer(hf / "tokenizer.json")
+    return ["GPT-2", "starmie"]
+
+
+def bad_id0_tokenizer(src, hf, fx):
+    other_id0_tokenizer(hf / "tokenizer.json")
+    return ["id 0", "<unk>", "starmie"]
+
+
+def bad_no_specials_tokenizer(src, hf, fx):
+    no_specials_tokenizer(hf / "tokenizer.json")
+    return ["special", "starmie"]
+
+
+def bad_unknown_config_key(src, hf, fx):
+    c = _config(fx, lambda c: c["config"]["text"].__setitem__("foo", 3))
+    with open(hf / "config.json", "w") as f:
+        json.dump(c, f)
+    return ["foo", "text", "config.json"]
+
+
+def bad_unknown_config_section(src, hf, fx):
+    c = _config(fx, lambda c: c["config"].__setitem__("audio", {}))
+    with open(hf / "config.json", "w") as f:
+        json.dump(c, f)
+    return ["audio", "config.json"]
+
+
+def bad_full_size_config(src, hf, fx):
+    # no nested "config": the defaults (full-size model) do not fit the tiny tensors
+    c = _config(fx, lambda c: c.pop("config"))
+    with open(hf / "config.json", "w") as f:
+        json.dump(c, f)
+    return ["220 missing", "wrong shape", "expected [2048, 2048]"]
+
+
+def bad_quantized_config(src, hf, fx):
+    c = _config(fx, lambda c: c["config"]["text"].__setitem__("group_size", 128))
+    with open(hf / "config.json", "w") as f:
+        json.dump(c, f)
+    return ["group_size", "int4"]
+
+
+def bad_no_config(src, hf, fx):
+    os.remove(hf / "config.json")
+    return ["config.json", "not found"]
+
+
+def bad_no_weights(src, hf, fx):
+    os.remove(hf / "model.safetensors")
+    return ["model.safetensors"]
+
+
+def bad_missing_shard(src, hf, fx):
+    os.remove(hf / "model.safetensors")
+    names = list(src)
+    write_safetensors(hf / "model-00001-of-00002.safetensors", {n: src[n] for n in names[:100]})
+    wm = {n: ("model-00001-of-00002.safetensors" if i < 100
+              else "model-00002-of-00002.safetensors") for i, n in enumerate(names)}
+    with open(hf / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": wm}, f)
+    return ["missing", "model-00002-of-00002.safetensors"]
+
+
+def bad_null_config_value(src, hf, fx):
+    # "group_size": null is legitimate; a null size is not a model and must be a clean error
+    c = _config(fx, lambda c: c["config"]["text"].__setitem__("dim", None))
+    with open(hf / "config.json", "w") as f:
+        json.dump(c, f)
+    return ["text.dim", "config.json"]
+
+
+def bad_index_not_object(src, hf, fx):
+    os.rename(hf / "model.safetensors", hf / "model-00001-of-00001.safetensors")
+    with open(hf / "model.safetensors.index.json", "w") as f:
+        json.dump(["model-00001-of-00001.safetensors"], f)
+    return ["model.safetensors.index.json"]
+
+
+BAD_SNAPSHOTS = {
+    "missing_tensor": bad_missing,
+    "extra_tensor": bad_extra,
+    "wrong_shape": bad_shape,
+    "pos_emb_without_leading_1": bad_pos_emb_unsqueezed,
+    "dtype_i8": bad_dtype_i8,
+    "dtype_f64": bad_dtype_f64,
+    "truncated_file": bad_truncated,
+    "short_byte_range": bad_offsets,
+    "missing_tokenizer": bad_missing_tokenizer,
+    "gpt2_tokenizer": bad_gpt2_tokenizer,
+    "id0_not_endoftext": bad_id0_tokenizer,
+    "tokenizer_without_specials": bad_no_specials_tokenizer,
+    "unknown_config_key": bad_unknown_config_key,
+    "unknown_config_section": bad_unknown_config_section,
+    "full_size_config_for_tiny_weights": bad_full_size_config,
+    "quantized_config": bad_quantized_config,
+    "no_config_json": bad_no_config,
+    "no_weights": bad_no_weights,
+    "missing_shard": bad_missing_shard,
+    "null_config_value": bad_null_config_value,
+    "index_not_an_object": bad_index_not_object,
+}
+
+
+def random_hf_tensors(cfg, seed):
+    """Random bf16 weights for `cfg` under the HF names, scaled so that activations stay
+    O(1) and captions run a few tokens before EOS."""
+    from photon_jax.convert import names
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in names.hf_shapes(cfg, prefix="").items():
+        hf = name
+        z = rng.standard_normal(shape)
+        if (hf.endswith(("weight", "tau.wq", "tau.wv")) and len(shape) >= 2
+                and "features" not in hf):
+            z = z / np.sqrt(shape[-1])   # [out, in] or Moondream 3's [experts, out, in]
+        elif ".ln" in hf or "post_ln" in hf:
+            z = 1 + 0.1 * z if hf.endswith("weight") else 0.05 * z
+        elif hf.endswith("bias"):
+            z = 0.05 * z
+        out["model." + hf] = z.astype(np.float32).astype(BF16)
+    # Keep EOS and the answer id from dominating so captions have a few tokens.
+    out["model.text.lm_head.bias"][:10] = -4
+    return out
+
+
+def odd_images():
+    """PIL images of awkward shapes and modes: 1x1, just over a crop, very wide and tall,
+    grey and RGBA."""
+    from PIL import Image
+
+    rng = np.random.default_rng(5)
+    sizes = [(1, 1), (379, 379), (2000, 300), (300, 2000), (640, 480), (1234, 987)]
+    out = [Image.fromarray(rng.integers(0, 256, (h, w, 3), np.uint8)) for w, h in sizes]
+    out.append(out[4].convert("L"))
+    out.append(out[4].convert("RGBA"))
+    return out
+
+
+# -- the engine against the one-request path ----------------------------------------------
+
+ENGINE_IMAGES = [os.path.join(FIXTURE_DIR, f) for f in ("img_land800x600.png",
+                                                       "img_sq378.png")]
+
+
+def workload(model, encoded, seed, n):
+    """Random mixed requests over ENGINE_IMAGES (`encoded`: their reference encodings):
+    (Request, the one-request path's output)."""
+    from photon_jax.engine import Request
+    from photon_jax.settings import Settings
+
+    rng = np.random.default_rng(seed)
+    pr = model.prompts
+    out = []
+    for i in range(n):
+        k = rng.integers(len(ENGINE_IMAGES))
+        image = ENGINE_IMAGES[k] if rng.random() < 0.5 else encoded[k]
+        hot = rng.random() < 0.5
+        s = Settings(temperature=0.9 if hot else 0.0, top_p=0.8, seed=int(rng.integers(100)),
+                     max_tokens=int(rng.integers(1, 14)), max_objects=int(rng.integers(1, 4)))
+        kind = rng.choice(["caption", "query", "text_only", "detect", "point"])
+        if kind == "caption":
+            req = Request("text", pr.caption(str(rng.choice(["short", "normal", "long"]))),
+                          image, s)
+        elif kind == "query":
+            req = Request("text", pr.query(f"w{rng.integers(50, 900)} w7"), image, s)
+        elif kind == "text_only":
+            req = Request("text", [0] + pr.query(f"w{rng.integers(50, 900)}"), None, s)
+        else:
+            req = Request(kind, (pr.detect if kind == "detect" else pr.point)(
+                f"w{rng.integers(50, 900)}"), image, s)
+        out.append((req, reference_output(model, encoded, req)))
+    return out
+
+
+def reference_output(model, encoded, req):
+    """What the one-request reference path gives `req`, in the engine's result form."""
+    from photon_jax import reference
+    from photon_jax.frontend import ImagePrefix
+
+    enc = None if req.image is None else (
+        req.image if isinstance(req.image, ImagePrefix)
+        else encoded[ENGINE_IMAGES.index(req.image)])
+    if req.skill == "text":
+        r = reference.generate_text(model, enc, req.prompt, req.settings)
+        return {"text": r["text"], "ids": r["ids"], "finish_reason": r["finish_reason"]}
+    r = reference.generate_points(model, enc, req.prompt, with_size=req.skill == "detect",
+                                  max_objects=req.settings.max_objects)
+    return {"objects": r["objects"], "finish_reason": r["finish_reason"]}
+
+
+def strip(result):
+    """A result without its token count (which the reference does not report)."""
+    return {k: v for k, v in result.items() if k != "output_tokens"}
+
+
+def run_in_waves(engine, reqs, waves=3, cancel=()):
+    """Submit in staggered waves (later waves join while earlier ones decode)."""
+    handles = []
+    per = -(-len(reqs) // waves)
+    for w in range(waves):
+        for i, r in enumerate(reqs[w * per:(w + 1) * per], start=w * per):
+            handles.append(engine.submit(r))
+            if i in cancel:
+                handles[-1].cancel()
+        time.sleep(0.05)
+    return [h.result(timeout=300) for h in handles]
+
+
+# -- parity with the reference's golden cases (tests/fixtures/*/cases.json) ---------------
+
+PARITY_TOL = 1e-4
+PARITY_IMAGES = ["sq378", "land800x600", "wide1500x400", "photo512x600"]
+PARITY_CASES = ["caption_short", "caption_normal", "caption_long", "query", "detect", "point"]
+
+
+def rel_err(mine, ref):
+    """max |mine - ref| relative to max |ref|."""
+    mine = np.asarray(mine, np.float32)
+    assert mine.shape == ref.shape, (mine.shape, ref.shape)
+    return float(np.abs(mine - ref).max() / np.abs(ref).max())
+
+
+def image_file(cases, iid, fixture_dir=FIXTURE_DIR):
+    """The file of a fixture's image id."""
+    return os.path.join(fixture_dir, next(i["file"] for i in cases["images"] if i["id"] == iid))
+
+
+def encode_images(model, cases, fixture_dir=FIXTURE_DIR):
+    """{image id: (EncodedImage, trace)} for the fixture's images."""
+    from photon_jax import reference as R
+
+    out = {}
+    for iid in PARITY_IMAGES:
+        tr = {}
+        out[iid] = (R.encode_image(model, image_file(cases, iid, fixture_dir), trace=tr), tr)
+    return out
+
+
+def check_greedy_outcome(model, enc, ref, case, settings, trace):
+    """Run one fixture case on the reference path; its ids / text / bins / objects and stop
+    reason must equal the fixture's."""
+    from photon_jax import reference as R
+    from photon_jax.settings import parse
+
+    if case in ("detect", "point"):
+        out = R.generate_points(model, enc, ref["prompt_ids"], with_size=case == "detect",
+                                max_objects=settings["max_objects"], trace=trace)
+        assert out["bins"] == ref["bins"]
+        assert len(out["objects"]) == len(ref["result"])
+        for mine, want in zip(out["objects"], ref["result"]):
+            assert mine.keys() == want.keys()
+            for k in mine:
+                assert abs(mine[k] - want[k]) < 1e-6, (k, mine, want)
+        stop = {"eos": "stop", "max_objects": "max_objects"}[ref["stop"]]
+        assert out["finish_reason"] == stop
+    else:
+        s = parse({"temperature": settings["temperature"], "max_tokens": settings["max_tokens"]})
+        out = R.generate_text(model, enc, ref["prompt_ids"], s, trace=trace)
+        assert out["ids"] == ref["ids"]
+        assert out["text"] == ref["text"]
+        assert out["finish_reason"] == {"eos": "stop", "max_tokens": "length"}[ref["stop"]]
+
+
+def check_prompt_ids(model, cases):
+    """Our prompt templates give the reference's token ids for every skill."""
+    q = cases["settings"]["query"]
+    obj = cases["settings"]["object"]
+    ref = cases["fp32"]["sq378"]["cases"]
+    assert model.prompts.query(q) == ref["query"]["prompt_ids"]
+    assert model.prompts.detect(obj) == ref["detect"]["prompt_ids"]
+    assert model.prompts.point(obj) == ref["point"]["prompt_ids"]
+    for length in ("short", "normal", "long"):
+        assert model.prompts.caption(length) == ref[f"caption_{length}"]["prompt_ids"]
+
+
+# -- the model without the engine ---------------------------------------------------------
+
+def full_forward(cfg, params, x_TD, prefix):
+    """Everything in one call on a fresh cache (no cached state at all)."""
+    import jax.numpy as jnp
+
+    from photon_jax import text
+
+    t = x_TD.shape[0]
+    cache = text.init_cache(cfg, rows=1, length=t)
+    hidden, _, _ = text.forward(params["text"], cfg.text, x_TD[None], jnp.arange(t)[None],
+                                cache, text.DenseAccess(jnp.zeros(1, jnp.int32),
+                                                        jnp.full(1, prefix), t))
+    return hidden[0]

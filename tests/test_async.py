@@ -11,8 +11,7 @@ from PIL import Image
 
 from photon_jax import Moondream
 
-from conftest import FIXTURE_DIR
-from helpers import in_threads
+from helpers import FIXTURE_DIR, in_threads
 
 LAND = os.path.join(FIXTURE_DIR, "img_land800x600.png")
 SQ = os.path.join(FIXTURE_DIR, "img_sq378.png")

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from photon_jax import Moondream
-from photon_jax.caption import build_parser, main, run
+from photon_jax.cli.caption import build_parser, main, run
 
 SETTINGS = {"max_tokens": 8, "temperature": 0.0}
 ARGS = ["--max-tokens", "8", "--quiet"]
@@ -262,7 +262,7 @@ def test_usage_errors(tiny_ckpt, tmp_path, capfd):
 
 
 def _cli(args, env=None, **kw):
-    return subprocess.Popen([sys.executable, "-m", "photon_jax.caption", *args],
+    return subprocess.Popen([sys.executable, "-m", "photon_jax.cli.caption", *args],
                             env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
 
@@ -320,7 +320,8 @@ def _rerun_finishes(argv, jl, paths, expect):
 # hung every run, "finish" 5 runs of 6.
 _INJECT = """
 import os, signal, sys
-from photon_jax import caption, engine
+from photon_jax import engine
+from photon_jax.cli import caption
 at, when = int(os.environ["AT"]), os.environ["WHEN"]
 add, n = engine.Handle.add_done_callback, [0]
 def kill(*_):

@@ -11,77 +11,25 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import photon_jax.checkpoint as checkpoint
 from photon_jax.config import FORMAT_VERSION, tiny
 from photon_jax.convert import ConvertError, convert
-from photon_jax.convert.cli import main
-from photon_jax.convert.safetensors_io import read_header, read_tensor
+from photon_jax.cli.convert import main
 from photon_jax.params import flatten
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-_ST_CODE = {
-    BF16: "BF16",
-    np.dtype(np.float16): "F16",
-    np.dtype(np.float32): "F32",
-    np.dtype(np.float64): "F64",
-    np.dtype(np.int8): "I8",
-    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
-}
-_HF_FILES = ("config.json", "tokenizer.json")  # copied from the fixture besides the weights
-
+from helpers import BAD_SNAPSHOTS, BF16, make_hf, read_safetensors, write_safetensors
 
 # -- helpers ------------------------------------------------------------------------------
-
-
-def write_safetensors(path, tensors: dict) -> None:
-    """Minimal safetensors writer (numpy's saver may not do bfloat16)."""
-    header, blobs, off = {}, [], 0
-    for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
-        raw = arr.tobytes()
-        header[name] = {"dtype": _ST_CODE[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [off, off + len(raw)]}
-        blobs.append(raw)
-        off += len(raw)
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for raw in blobs:
-            f.write(raw)
-
-
-def read_safetensors(path) -> dict:
-    return {name: read_tensor(ref) for name, ref in read_header(str(path)).items()}
 
 
 @pytest.fixture(scope="module")
 def src(fixture_dir):
     """The fixture's tensors (bf16 numpy arrays), in file order."""
     return read_safetensors(os.path.join(fixture_dir, "model.safetensors"))
-
-
-def make_hf(fixture_dir, root, tensors: dict | None = None, name="hf", config=None):
-    """A copy of the fixture's HF folder under `root`, optionally with other weights/config."""
-    d = root / name
-    d.mkdir(parents=True)
-    for f in _HF_FILES:
-        shutil.copyfile(os.path.join(fixture_dir, f), d / f)
-    if tensors is None:
-        shutil.copyfile(os.path.join(fixture_dir, "model.safetensors"), d / "model.safetensors")
-    else:
-        write_safetensors(d / "model.safetensors", tensors)
-    if config is not None:
-        with open(d / "config.json", "w") as f:
-            json.dump(config, f)
-    return d
 
 
 def restore(path) -> dict:
@@ -434,231 +382,13 @@ def test_existing_empty_out_dir_is_fine(fixture_dir, tmp_path):
     no_leftovers(tmp_path)
 
 
-# -- bad input: a clear error, a non-zero exit, and nothing written ------------------------
+# -- bad input (helpers.BAD_SNAPSHOTS): a clear error, a non-zero exit, nothing written -----
 
 
-def _gpt2_tokenizer(path):
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-
-    vocab = {"!": 0, '"': 1, "a": 2, "<|endoftext|>": 50256}
-    Tokenizer(WordLevel(vocab, unk_token="!")).save(str(path))
-
-
-def _no_specials_tokenizer(path):
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-
-    vocab = {"<|endoftext|>": 0, "a": 1, "b": 2}
-    Tokenizer(WordLevel(vocab, unk_token="a")).save(str(path))
-
-
-def _other_id0_tokenizer(path):
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-
-    vocab = {"<unk>": 0, "<|endoftext|>": 1, "a": 2}
-    Tokenizer(WordLevel(vocab, unk_token="<unk>")).save(str(path))
-
-
-def _truncate(path):
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-    cut = 8 + n + (size - 8 - n) // 2
-    with open(path, "r+b") as f:
-        f.truncate(cut)
-
-
-def _config(fixture_dir, edit):
-    with open(os.path.join(fixture_dir, "config.json")) as f:
-        c = json.load(f)
-    edit(c)
-    return c
-
-
-def _case_missing(src, hf, fx):
-    t = dict(src)
-    del t["model.text.blocks.1.attn.qkv.weight"]
-    write_safetensors(hf / "model.safetensors", t)
-    return ["missing", "text.blocks.1.attn.qkv.weight"]
-
-
-def _case_extra(src, hf, fx):
-    t = dict(src)
-    t["model.text.blocks.2.ln.weight"] = src["model.text.blocks.1.ln.weight"]
-    t["model.vision.foo"] = src["model.vision.post_ln.bias"]
-    write_safetensors(hf / "model.safetensors", t)
-    return ["unexpected", "model.text.blocks.2.ln.weight", "model.vision.foo"]
-
-
-def _case_shape(src, hf, fx):
-    t = dict(src)
-    t["model.text.blocks.0.attn.qkv.weight"] = np.ascontiguousarray(
-        src["model.text.blocks.0.attn.qkv.weight"].T)
-    write_safetensors(hf / "model.safetensors", t)
-    return ["shape", "model.text.blocks.0.attn.qkv.weight", "[64, 192]", "[192, 64]"]
-
-
-def _case_pos_emb_unsqueezed(src, hf, fx):
-    t = dict(src)
-    t["model.vision.pos_emb"] = np.ascontiguousarray(src["model.vision.pos_emb"][0])
-    write_safetensors(hf / "model.safetensors", t)
-    return ["shape", "model.vision.pos_emb", "[1, 729, 16]"]
-
-
-def _case_dtype_i8(src, hf, fx):
-    t = dict(src)
-    t["model.text.post_ln.weight"] = np.ones(src["model.text.post_ln.weight"].shape, np.int8)
-    write_safetensors(hf / "model.safetensors", t)
-    return ["dtype", "model.text.post_ln.weight", "I8"]
-
-
-def _case_dtype_f64(src, hf, fx):
-    t = dict(src)
-    t["model.region.coord_features"] = src["model.region.coord_features"].astype(np.float64)
-    write_safetensors(hf / "model.safetensors", t)
-    return ["dtype", "model.region.coord_features", "F64"]
-
-
-def _case_truncated(src, hf, fx):
-    _truncate(hf / "model.safetensors")
-    return ["truncated", "model.safetensors"]
-
-
-def _case_bad_offsets(src, hf, fx):
-    # a header whose byte range is too short for the declared shape: caught while streaming
-    t = dict(src)
-    write_safetensors(hf / "model.safetensors", t)
-    path = hf / "model.safetensors"
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        data = f.read()
-    name = "model.text.post_ln.bias"
-    a, b = header[name]["data_offsets"]
-    header[name]["data_offsets"] = [a, b - 2]
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + data)
-    return ["model.text.post_ln.bias", "bytes"]
-
-
-def _case_missing_tokenizer(src, hf, fx):
-    os.remove(hf / "tokenizer.json")
-    return ["tokenizer", "not found", "starmie"]
-
-
-def _case_gpt2_tokenizer(src, hf, fx):
-    _gpt2_tokenizer(hf / "tokenizer.json")
-    return ["GPT-2", "starmie"]
-
-
-def _case_id0_tokenizer(src, hf, fx):
-    _other_id0_tokenizer(hf / "tokenizer.json")
-    return ["id 0", "<unk>", "starmie"]
-
-
-def _case_no_specials_tokenizer(src, hf, fx):
-    _no_specials_tokenizer(hf / "tokenizer.json")
-    return ["special", "starmie"]
-
-
-def _case_unknown_config_key(src, hf, fx):
-    c = _config(fx, lambda c: c["config"]["text"].__setitem__("foo", 3))
-    with open(hf / "config.json", "w") as f:
-        json.dump(c, f)
-    return ["foo", "text", "config.json"]
-
-
-def _case_unknown_config_section(src, hf, fx):
-    c = _config(fx, lambda c: c["config"].__setitem__("audio", {}))
-    with open(hf / "config.json", "w") as f:
-        json.dump(c, f)
-    return ["audio", "config.json"]
-
-
-def _case_full_size_config(src, hf, fx):
-    # no nested "config": the defaults (full-size model) do not fit the tiny tensors
-    c = _config(fx, lambda c: c.pop("config"))
-    with open(hf / "config.json", "w") as f:
-        json.dump(c, f)
-    return ["220 missing", "wrong shape", "expected [2048, 2048]"]
-
-
-def _case_quantized_config(src, hf, fx):
-    c = _config(fx, lambda c: c["config"]["text"].__setitem__("group_size", 128))
-    with open(hf / "config.json", "w") as f:
-        json.dump(c, f)
-    return ["group_size", "int4"]
-
-
-def _case_no_config(src, hf, fx):
-    os.remove(hf / "config.json")
-    return ["config.json", "not found"]
-
-
-def _case_no_weights(src, hf, fx):
-    os.remove(hf / "model.safetensors")
-    return ["model.safetensors"]
-
-
-def _case_missing_shard(src, hf, fx):
-    os.remove(hf / "model.safetensors")
-    names = list(src)
-    write_safetensors(hf / "model-00001-of-00002.safetensors", {n: src[n] for n in names[:100]})
-    wm = {n: ("model-00001-of-00002.safetensors" if i < 100
-              else "model-00002-of-00002.safetensors") for i, n in enumerate(names)}
-    with open(hf / "model.safetensors.index.json", "w") as f:
-        json.dump({"weight_map": wm}, f)
-    return ["missing", "model-00002-of-00002.safetensors"]
-
-
-def _case_null_config_value(src, hf, fx):
-    # "group_size": null is legitimate; a null size is not a model and must be a clean error
-    c = _config(fx, lambda c: c["config"]["text"].__setitem__("dim", None))
-    with open(hf / "config.json", "w") as f:
-        json.dump(c, f)
-    return ["text.dim", "config.json"]
-
-
-def _case_index_not_object(src, hf, fx):
-    os.rename(hf / "model.safetensors", hf / "model-00001-of-00001.safetensors")
-    with open(hf / "model.safetensors.index.json", "w") as f:
-        json.dump(["model-00001-of-00001.safetensors"], f)
-    return ["model.safetensors.index.json"]
-
-
-BAD = {
-    "missing_tensor": _case_missing,
-    "extra_tensor": _case_extra,
-    "wrong_shape": _case_shape,
-    "pos_emb_without_leading_1": _case_pos_emb_unsqueezed,
-    "dtype_i8": _case_dtype_i8,
-    "dtype_f64": _case_dtype_f64,
-    "truncated_file": _case_truncated,
-    "short_byte_range": _case_bad_offsets,
-    "missing_tokenizer": _case_missing_tokenizer,
-    "gpt2_tokenizer": _case_gpt2_tokenizer,
-    "id0_not_endoftext": _case_id0_tokenizer,
-    "tokenizer_without_specials": _case_no_specials_tokenizer,
-    "unknown_config_key": _case_unknown_config_key,
-    "unknown_config_section": _case_unknown_config_section,
-    "full_size_config_for_tiny_weights": _case_full_size_config,
-    "quantized_config": _case_quantized_config,
-    "no_config_json": _case_no_config,
-    "no_weights": _case_no_weights,
-    "missing_shard": _case_missing_shard,
-    "null_config_value": _case_null_config_value,
-    "index_not_an_object": _case_index_not_object,
-}
-
-
-@pytest.mark.parametrize("case", list(BAD))
+@pytest.mark.parametrize("case", list(BAD_SNAPSHOTS))
 def test_bad_input(case, src, fixture_dir, tmp_path, capsys):
     hf = make_hf(fixture_dir, tmp_path)
-    words = BAD[case](src, hf, fixture_dir)
+    words = BAD_SNAPSHOTS[case](src, hf, fixture_dir)
     parent = tmp_path / "outparent"
     parent.mkdir()
     out = parent / "out"

@@ -6,7 +6,6 @@ The randomized workloads use the fixture model with a bias on the EOS logit, so 
 at many different lengths (text and detect/point alike) and zombies happen all the time.
 """
 
-import os
 import threading
 import time
 
@@ -17,13 +16,11 @@ import pytest
 
 from photon_jax import hostsync, kvpool, meta as meta_mod, reference, step as step_mod
 from photon_jax.engine import Engine, EngineError, Request, RequestError
-from photon_jax.frontend import ImagePrefix
 from photon_jax.model import Model
 from photon_jax.settings import Settings
 
-from conftest import FIXTURE_DIR, biased_model
+from helpers import ENGINE_IMAGES as IMAGES, biased_model, run_in_waves, strip, workload
 
-IMAGES = [os.path.join(FIXTURE_DIR, f) for f in ("img_land800x600.png", "img_sq378.png")]
 EOS_BIAS = 0.8
 
 
@@ -37,61 +34,6 @@ def encoded(model):
     return [reference.encode_image(model, p) for p in IMAGES]
 
 
-def workload(model, encoded, seed, n):
-    """Random mixed requests: (Request, reference output)."""
-    rng = np.random.default_rng(seed)
-    pr = model.prompts
-    out = []
-    for i in range(n):
-        k = rng.integers(len(IMAGES))
-        image = IMAGES[k] if rng.random() < 0.5 else encoded[k]
-        hot = rng.random() < 0.5
-        s = Settings(temperature=0.9 if hot else 0.0, top_p=0.8, seed=int(rng.integers(100)),
-                     max_tokens=int(rng.integers(1, 14)), max_objects=int(rng.integers(1, 4)))
-        kind = rng.choice(["caption", "query", "text_only", "detect", "point"])
-        if kind == "caption":
-            req = Request("text", pr.caption(str(rng.choice(["short", "normal", "long"]))),
-                          image, s)
-        elif kind == "query":
-            req = Request("text", pr.query(f"w{rng.integers(50, 900)} w7"), image, s)
-        elif kind == "text_only":
-            req = Request("text", [0] + pr.query(f"w{rng.integers(50, 900)}"), None, s)
-        else:
-            req = Request(kind, (pr.detect if kind == "detect" else pr.point)(
-                f"w{rng.integers(50, 900)}"), image, s)
-        out.append((req, reference_output(model, encoded, req)))
-    return out
-
-
-def reference_output(model, encoded, req):
-    enc = None if req.image is None else (
-        req.image if isinstance(req.image, ImagePrefix)
-        else encoded[IMAGES.index(req.image)])
-    if req.skill == "text":
-        r = reference.generate_text(model, enc, req.prompt, req.settings)
-        return {"text": r["text"], "ids": r["ids"], "finish_reason": r["finish_reason"]}
-    r = reference.generate_points(model, enc, req.prompt, with_size=req.skill == "detect",
-                                  max_objects=req.settings.max_objects)
-    return {"objects": r["objects"], "finish_reason": r["finish_reason"]}
-
-
-def strip(result):
-    return {k: v for k, v in result.items() if k != "output_tokens"}
-
-
-def run(engine, reqs, waves=3, cancel=()):
-    """Submit in staggered waves (later waves join while earlier ones decode)."""
-    handles = []
-    per = -(-len(reqs) // waves)
-    for w in range(waves):
-        for i, r in enumerate(reqs[w * per:(w + 1) * per], start=w * per):
-            handles.append(engine.submit(r))
-            if i in cancel:
-                handles[-1].cancel()
-        time.sleep(0.05)
-    return [h.result(timeout=300) for h in handles]
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_pipelined_equals_blocking_equals_reference(model, encoded, seed):
     items = workload(model, encoded, seed, 14)
@@ -101,7 +43,7 @@ def test_pipelined_equals_blocking_equals_reference(model, encoded, seed):
     for pipelined in (True, False):
         eng = Engine(model, max_batch_size=3, pipelined=pipelined, record_events=True)
         try:
-            outs[pipelined] = run(eng, reqs, cancel=cancel)
+            outs[pipelined] = run_in_waves(eng, reqs, cancel=cancel)
         finally:
             eng.close()
         assert eng.sched.running == [] and sorted(eng.sched.free_rows) == [1, 2, 3]
@@ -125,7 +67,7 @@ def events_of(model, encoded, seed, n, waves, **engine_kw):
     """Run a random workload to the end; the engine's (event, id, commit, detail) log."""
     eng = Engine(model, record_events=True, **engine_kw)
     try:
-        run(eng, [r for r, _ in workload(model, encoded, seed, n)], waves=waves)
+        run_in_waves(eng, [r for r, _ in workload(model, encoded, seed, n)], waves=waves)
     finally:
         eng.close()
     return eng.sched.events
@@ -191,7 +133,7 @@ def test_no_host_sync_in_launch_and_finalize(model, encoded):
         reqs = [r for r, _ in workload(model, encoded, 3, 8)]
         eng = Engine(model, max_batch_size=4)
         try:
-            outs = run(eng, reqs, waves=2)
+            outs = run_in_waves(eng, reqs, waves=2)
         finally:
             eng.close()
         assert all(o["finish_reason"] in ("stop", "length", "max_objects") for o in outs)

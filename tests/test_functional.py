@@ -16,7 +16,7 @@ from photon_jax import text
 from photon_jax.model import Model
 from photon_jax.settings import parse
 
-from conftest import FIXTURE_DIR
+from helpers import FIXTURE_DIR
 
 MAX = 12   # the fixture's max_tokens
 PAD = 8    # prompts padded to one length: the longest fixture prompt (query)

@@ -13,7 +13,7 @@ from photon_jax import gpu_attention as ga, kvpool, step as step_mod
 from photon_jax.config import moondream2
 from photon_jax.pages import pages_for
 
-from conftest import biased_model, pallas_attention
+from helpers import biased_model, pallas_attention
 
 INTERPRET = pallas_attention() != "pallas"
 TRITON = "__gpu$xla.gpu.triton"
@@ -233,7 +233,7 @@ def test_the_engine_warms_every_split_it_plans_and_never_retraces(tiny_ckpt):
     from photon_jax.engine import Engine, Request
     from photon_jax.model import Model
     from photon_jax.settings import Settings
-    from test_gpu_lowering import IMAGES
+    from helpers import ENGINE_IMAGES as IMAGES
 
     base = biased_model(tiny_ckpt, {})
     model = Model(base.cfg, base.params, base.prompts.tok, attention=pallas_attention())

@@ -36,7 +36,7 @@ from photon_jax.engine import Engine, Request
 from photon_jax.model import Model
 from photon_jax.settings import Settings
 
-from conftest import FIXTURE_DIR, biased_model, pallas_attention
+from helpers import FIXTURE_DIR, biased_model, pallas_attention
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "bench"))

@@ -17,7 +17,7 @@ from photon_jax.model import Model
 from photon_jax.params import init_params
 from photon_jax.tokenizer import load_tokenizer
 
-from conftest import FIXTURE_DIR
+from helpers import FIXTURE_DIR
 
 
 def audit(hlo_text: str) -> list[str]:

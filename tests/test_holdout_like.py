@@ -2,16 +2,13 @@
 attention, other widths, config.json listing only the changed fields), other weights, other
 image sizes and modes, through photon-convert + Moondream.load + the API, end to end."""
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from photon_jax import Moondream
 from photon_jax.config import MoondreamConfig
-from photon_jax.convert import names
+from photon_jax.cli.convert import main
 
-from test_convert import BF16, make_hf
-from photon_jax.convert.cli import main
+from helpers import make_hf, odd_images, random_hf_tensors
 
 CONFIG = {
     "text": {"dim": 256, "n_heads": 4, "n_kv_heads": 2, "n_layers": 3, "ff_dim": 192},
@@ -21,43 +18,15 @@ CONFIG = {
 }
 
 
-def _hf_tensors(cfg, seed):
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in names.hf_shapes(cfg, prefix="").items():
-        hf = name
-        z = rng.standard_normal(shape)
-        if (hf.endswith(("weight", "tau.wq", "tau.wv")) and len(shape) >= 2
-                and "features" not in hf):
-            z = z / np.sqrt(shape[-1])   # [out, in] or Moondream 3's [experts, out, in]
-        elif ".ln" in hf or "post_ln" in hf:
-            z = 1 + 0.1 * z if hf.endswith("weight") else 0.05 * z
-        elif hf.endswith("bias"):
-            z = 0.05 * z
-        out["model." + hf] = z.astype(np.float32).astype(BF16)
-    # Keep EOS and the answer id from dominating so captions have a few tokens.
-    out["model.text.lm_head.bias"][:10] = -4
-    return out
-
-
 @pytest.fixture(scope="module")
 def md(fixture_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("holdout")
     cfg = MoondreamConfig.from_dict(CONFIG)
-    hf = make_hf(fixture_dir, root, _hf_tensors(cfg, seed=2024),
+    hf = make_hf(fixture_dir, root, random_hf_tensors(cfg, seed=2024),
                  config={"model_type": "moondream1", "config": CONFIG})
     assert main([str(hf), str(root / "out")]) == 0          # default: bf16
     with Moondream.load(str(root / "out"), dtype="float32") as m:
         yield m
-
-
-def _images():
-    rng = np.random.default_rng(5)
-    sizes = [(1, 1), (379, 379), (2000, 300), (300, 2000), (640, 480), (1234, 987)]
-    out = [Image.fromarray(rng.integers(0, 256, (h, w, 3), np.uint8)) for w, h in sizes]
-    out.append(out[4].convert("L"))
-    out.append(out[4].convert("RGBA"))
-    return out
 
 
 def test_config_and_dtype(md):
@@ -68,7 +37,7 @@ def test_config_and_dtype(md):
 
 def test_every_skill_on_odd_images(md):
     greedy = {"temperature": 0, "max_tokens": 6}
-    for img in _images():
+    for img in odd_images():
         cap = md.caption(img, "short", settings=greedy)["caption"]
         assert isinstance(cap, str)
         ans = md.query(img, "w11 w12", settings=greedy)["answer"]
@@ -83,14 +52,14 @@ def test_every_skill_on_odd_images(md):
 
 
 def test_grayscale_equals_its_rgb_conversion(md):
-    img = _images()[-2]  # mode L
+    img = odd_images()[-2]  # mode L
     greedy = {"temperature": 0, "max_tokens": 6}
     assert (md.caption(img, "normal", settings=greedy)
             == md.caption(img.convert("RGB"), "normal", settings=greedy))
 
 
 def test_encoded_image_matches_direct_calls(md):
-    img = _images()[3]
+    img = odd_images()[3]
     enc = md.encode_image(img)
     s = {"temperature": 0.8, "top_p": 0.9, "max_tokens": 8, "seed": 11}
     assert md.query(enc, "w100", settings=s) == md.query(img, "w100", settings=s)

@@ -14,6 +14,8 @@ from photon_jax import step, text
 from photon_jax.params import init_params
 from photon_jax import sampling
 
+from helpers import full_forward
+
 sample = jax.jit(sampling.sample)   # as the engine runs it (eager lax.cond recompiles)
 
 PREFIX = 730
@@ -33,16 +35,6 @@ def setup(request):
     cfg = small_cfg(*request.param)
     params = init_params(jax.random.PRNGKey(7), cfg)
     return cfg, params, step.build(cfg)
-
-
-def full_forward(cfg, params, x_TD, prefix):
-    """Everything in one call on a fresh cache (no cached state at all)."""
-    t = x_TD.shape[0]
-    cache = text.init_cache(cfg, rows=1, length=t)
-    hidden, _, _ = text.forward(params["text"], cfg.text, x_TD[None], jnp.arange(t)[None],
-                                cache, text.DenseAccess(jnp.zeros(1, jnp.int32),
-                                                        jnp.full(1, prefix), t))
-    return hidden[0]
 
 
 def test_prefill_then_decode_equals_full_forward(setup):

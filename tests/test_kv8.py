@@ -16,7 +16,7 @@ from photon_jax import cpukernel, kvpool, memory, meta as M, step as step_mod
 from photon_jax.config import moondream2
 from photon_jax.pages import pages_for
 
-from conftest import FIXTURE_DIR, pallas_attention
+from helpers import FIXTURE_DIR, pallas_attention
 
 FORMATS = ["int8", "float8_e4m3fn"]
 
@@ -295,7 +295,7 @@ def test_a_bad_kv_dtype_is_refused_by_name():
 
 @pytest.fixture(scope="module")
 def model8(tiny_ckpt):
-    from conftest import biased_model
+    from helpers import biased_model
 
     return biased_model(tiny_ckpt, {0: 0.3})
 
@@ -346,7 +346,7 @@ def test_engine_pipelined_equals_blocking_and_cache_hits_equal_misses(model8, fm
 
 def test_a_bad_kv_dtype_is_refused_by_the_engine_load_and_the_cli(model8, tiny_ckpt, capsys):
     from photon_jax.api import Moondream
-    from photon_jax.caption import build_parser
+    from photon_jax.cli.caption import build_parser
     from photon_jax.engine import Engine
 
     with pytest.raises(ValueError, match="kv_dtype must be one of"):

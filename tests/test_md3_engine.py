@@ -8,14 +8,12 @@ import pytest
 
 from photon_jax import Moondream, reference
 from photon_jax.config import from_hf_config_json
-from photon_jax.convert.cli import main
+from photon_jax.cli.convert import main
 from photon_jax.engine import Engine, Request
 from photon_jax.settings import Settings
 
-from conftest import MD3_FIXTURE_DIR, biased_model
-from test_convert import make_hf
-from test_engine import IMAGES, reference_output, run, strip, workload
-from test_holdout_like import _hf_tensors, _images
+from helpers import (ENGINE_IMAGES as IMAGES, MD3_FIXTURE_DIR, biased_model, make_hf, odd_images,
+                     random_hf_tensors, reference_output, run_in_waves, strip, workload)
 
 EOS_BIAS = 0.8
 
@@ -55,7 +53,7 @@ def test_pipelined_equals_blocking_equals_reference(model, encoded):
     for pipelined in (True, False):
         eng = Engine(model, max_batch_size=2, max_context=1024, pipelined=pipelined)
         try:
-            outs[pipelined] = run(eng, reqs)
+            outs[pipelined] = run_in_waves(eng, reqs)
         finally:
             eng.close()
     boxes = 0
@@ -97,7 +95,7 @@ def holdout(tmp_path_factory):
     root = tmp_path_factory.mktemp("md3-holdout")
     cfg_json = {"model_type": "moondream3", "config": HOLDOUT}
     cfg = from_hf_config_json(cfg_json)
-    tensors = _hf_tensors(cfg, seed=77)
+    tensors = random_hf_tensors(cfg, seed=77)
     hf = make_hf(MD3_FIXTURE_DIR, root, tensors, config=cfg_json)
     assert main([str(hf), str(root / "out")]) == 0
     with Moondream.load(str(root / "out"), dtype="float32", max_batch_size=4) as m:
@@ -114,7 +112,7 @@ def test_holdout_config(holdout):
 def test_holdout_every_skill_matches_the_reference(holdout):
     m = holdout._m
     greedy = Settings(temperature=0.0, max_tokens=6)
-    for img in (_images()[2], _images()[4]):
+    for img in (odd_images()[2], odd_images()[4]):
         enc = reference.encode_image(m, img)
         got = holdout.caption(img, "short", settings={"temperature": 0, "max_tokens": 6})
         want = reference.generate_text(m, enc, m.prompts.caption("short"), greedy)
@@ -143,7 +141,7 @@ def test_md3_weights_under_a_plain_config_json_are_read_as_md3(tmp_path):
     cfg = from_hf_config_json({"config": plain}, md3=True)
     assert cfg.family == "moondream3" and cfg.text.n_moe == 0
     assert from_hf_config_json({"config": plain}).family == "moondream2"
-    hf = make_hf(MD3_FIXTURE_DIR, tmp_path, _hf_tensors(cfg, seed=1), config={"config": plain})
+    hf = make_hf(MD3_FIXTURE_DIR, tmp_path, random_hf_tensors(cfg, seed=1), config={"config": plain})
     assert main([str(hf), str(tmp_path / "out")]) == 0
     from photon_jax.checkpoint import read_config
 
@@ -154,7 +152,7 @@ def test_fp8_experts_are_refused_clearly(tmp_path, capsys):
     import ml_dtypes
 
     cfg = from_hf_config_json({"model_type": "moondream3", "config": HOLDOUT})
-    tensors = _hf_tensors(cfg, seed=2)
+    tensors = random_hf_tensors(cfg, seed=2)
     name = "model.text.blocks.1.mlp.fc1.weight"
     tensors[name] = tensors[name].astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
     hf = make_hf(MD3_FIXTURE_DIR, tmp_path, tensors,

@@ -20,13 +20,14 @@ from photon_jax.layers import layer_norm, linear
 from photon_jax.model import Model
 from photon_jax.settings import parse
 
-from conftest import MD3_FIXTURE_DIR
-import test_parity as parity
-from test_parity import CASES, IMAGES, TOL, rel_err
+from helpers import (MD3_FIXTURE_DIR, PARITY_CASES as CASES, PARITY_IMAGES as IMAGES,
+                     PARITY_TOL as TOL, check_greedy_outcome, check_prompt_ids, encode_images,
+                     rel_err)
+from helpers import image_file as fixture_image_file
 
 
 def image_file(cases, iid):
-    return parity.image_file(cases, iid, MD3_FIXTURE_DIR)
+    return fixture_image_file(cases, iid, MD3_FIXTURE_DIR)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def model(md3_ckpt):
 
 @pytest.fixture(scope="module")
 def encoded(model, md3_cases):
-    return parity.encode_images(model, md3_cases, MD3_FIXTURE_DIR)
+    return encode_images(model, md3_cases, MD3_FIXTURE_DIR)
 
 
 def test_config_is_moondream3(model):
@@ -97,7 +98,7 @@ def test_tau_factors_of_layer0(md3_cases, md3_arrays, encoded, model):
 @pytest.mark.parametrize("case", CASES)
 def test_fp32_case(iid, case, md3_cases, md3_arrays, encoded, model):
     tr = {}
-    parity.check_greedy_outcome(model, encoded[iid][0], md3_cases["fp32"][iid]["cases"][case],
+    check_greedy_outcome(model, encoded[iid][0], md3_cases["fp32"][iid]["cases"][case],
                                 case, md3_cases["settings"], tr)
     key = f"fp32.{iid}.{case}"
     want_ids = md3_arrays[f"{key}.router_ids"]
@@ -115,7 +116,7 @@ def test_fp32_case(iid, case, md3_cases, md3_arrays, encoded, model):
 
 
 def test_prompt_ids_match_the_oracle(md3_cases, model):
-    parity.check_prompt_ids(model, md3_cases)
+    check_prompt_ids(model, md3_cases)
 
 
 def test_bf16_loose_oracle(md3_cases, md3_arrays, tmp_path):

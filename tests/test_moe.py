@@ -17,7 +17,7 @@ from photon_jax.convert import names
 from photon_jax.params import count_params, init_params, param_shapes
 from photon_jax.skills import parse_segment
 
-from test_invariants import full_forward
+from helpers import full_forward
 
 
 def expert_params(key, d, e, inner, dtype=jnp.float32):

@@ -6,7 +6,6 @@ README): arrays are held to a bf16-sized bound and the outcome matches are count
 """
 
 import hashlib
-import os
 
 import numpy as np
 import pytest
@@ -16,63 +15,9 @@ from photon_jax import reference as R
 from photon_jax.model import Model
 from photon_jax.settings import parse
 
-from conftest import FIXTURE_DIR
-
-TOL = 1e-4
-IMAGES = ["sq378", "land800x600", "wide1500x400", "photo512x600"]
-CASES = ["caption_short", "caption_normal", "caption_long", "query", "detect", "point"]
-
-
-def rel_err(mine, ref):
-    mine = np.asarray(mine, np.float32)
-    assert mine.shape == ref.shape, (mine.shape, ref.shape)
-    return float(np.abs(mine - ref).max() / np.abs(ref).max())
-
-
-def image_file(cases, iid, fixture_dir=FIXTURE_DIR):
-    return os.path.join(fixture_dir, next(i["file"] for i in cases["images"] if i["id"] == iid))
-
-
-def encode_images(model, cases, fixture_dir=FIXTURE_DIR):
-    """{image id: (EncodedImage, trace)} for the fixture's images."""
-    out = {}
-    for iid in IMAGES:
-        tr = {}
-        out[iid] = (R.encode_image(model, image_file(cases, iid, fixture_dir), trace=tr), tr)
-    return out
-
-
-def check_greedy_outcome(model, enc, ref, case, settings, trace):
-    """Run one fixture case on the reference path; its ids / text / bins / objects and stop
-    reason must equal the fixture's."""
-    if case in ("detect", "point"):
-        out = R.generate_points(model, enc, ref["prompt_ids"], with_size=case == "detect",
-                                max_objects=settings["max_objects"], trace=trace)
-        assert out["bins"] == ref["bins"]
-        assert len(out["objects"]) == len(ref["result"])
-        for mine, want in zip(out["objects"], ref["result"]):
-            assert mine.keys() == want.keys()
-            for k in mine:
-                assert abs(mine[k] - want[k]) < 1e-6, (k, mine, want)
-        stop = {"eos": "stop", "max_objects": "max_objects"}[ref["stop"]]
-        assert out["finish_reason"] == stop
-    else:
-        s = parse({"temperature": settings["temperature"], "max_tokens": settings["max_tokens"]})
-        out = R.generate_text(model, enc, ref["prompt_ids"], s, trace=trace)
-        assert out["ids"] == ref["ids"]
-        assert out["text"] == ref["text"]
-        assert out["finish_reason"] == {"eos": "stop", "max_tokens": "length"}[ref["stop"]]
-
-
-def check_prompt_ids(model, cases):
-    q = cases["settings"]["query"]
-    obj = cases["settings"]["object"]
-    ref = cases["fp32"]["sq378"]["cases"]
-    assert model.prompts.query(q) == ref["query"]["prompt_ids"]
-    assert model.prompts.detect(obj) == ref["detect"]["prompt_ids"]
-    assert model.prompts.point(obj) == ref["point"]["prompt_ids"]
-    for length in ("short", "normal", "long"):
-        assert model.prompts.caption(length) == ref[f"caption_{length}"]["prompt_ids"]
+from helpers import (PARITY_CASES as CASES, PARITY_IMAGES as IMAGES,
+                     PARITY_TOL as TOL, check_greedy_outcome, check_prompt_ids, encode_images,
+                     image_file, rel_err)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from photon_jax.params import abstract_params, init_params
 from photon_jax.settings import Settings
 from photon_jax.tokenizer import load_tokenizer
 
-from conftest import FIXTURE_DIR, biased_model, pallas_attention
+from helpers import FIXTURE_DIR, biased_model, pallas_attention
 
 IMAGES = [os.path.join(FIXTURE_DIR, f) for f in
           ("img_land800x600.png", "img_sq378.png", "img_wide1500x400.png",

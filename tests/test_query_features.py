@@ -19,7 +19,7 @@ from photon_jax.image import ImageError, load_image
 from photon_jax.settings import Settings, SettingsError, parse
 from photon_jax.tokenizer import spatial_refs_prompt
 
-from conftest import FIXTURE_DIR, biased_model
+from helpers import FIXTURE_DIR, biased_model
 
 LAND = os.path.join(FIXTURE_DIR, "img_land800x600.png")
 SQ = os.path.join(FIXTURE_DIR, "img_sq378.png")

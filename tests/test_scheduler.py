@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from photon_jax.request import Handle, Request, RequestError
-from photon_jax.scheduler import Scheduler, Seq
+from photon_jax.scheduler import Origin, Scheduler, Seq, Source
 
 PAGE = 4
 
@@ -172,14 +172,15 @@ def test_prefix_cache_hit_miss_and_pins():
     a = seq(10, image=img, prefix=8)
     admit(sc, a)
     (planned,) = launch_prefill(sc)
-    kind, entry = planned.source
-    assert kind == "miss" and entry is not None and len(entry.pages) == 2
+    src = planned.source
+    entry = src.entry
+    assert src.origin is Origin.MISS and entry is not None and len(entry.pages) == 2
     assert set(entry.pages).isdisjoint(a.pages)      # its own pages, at the top of the pool
     sc.commit([a], [0], [(0, 0)], 0.0)
     b = seq(10, image=FakeImage(b"k"), prefix=8)
     admit(sc, b)
     (planned,) = launch_prefill(sc)
-    assert planned.source == ("hit", entry)
+    assert planned.source == Source(Origin.HIT, entry)
     # A pinned entry survives pressure; an unpinned one is evicted for a new request.
     sc.commit([b], [0], [(0, 0)], 0.0)
     sc.cache.pin(b"k")
@@ -204,15 +205,16 @@ def test_shared_prefix_pages_are_read_in_place_pinned_and_never_freed_by_a_reque
     a = seq(12, budget=4, image=FakeImage(b"k"), prefix=10)      # 16 positions: 4 pages
     admit(sc, a)
     (pa,) = launch_prefill(sc)
-    kind, entry = pa.source
-    assert kind == "miss" and a.pages[:2] == entry.pages[:2] and sc.n_shared(a) == 2
+    src = pa.source
+    entry = src.entry
+    assert src.origin is Origin.MISS and a.pages[:2] == entry.pages[:2] and sc.n_shared(a) == 2
     assert set(a.pages[2:]).isdisjoint(entry.pages) and entry.pins == 1
     # 3 entry pages + a's own pages (1 of its prompt, 1 reserved for growth).
     assert sc.alloc.in_use() == 3 + 1 and sc.alloc.reserved == 1
     b = seq(12, budget=4, image=FakeImage(b"k"), prefix=10)
     admit(sc, b)
     (pb,) = launch_prefill(sc)
-    assert pb.source == ("hit", entry) and b.pages[:2] == entry.pages[:2] and entry.pins == 2
+    assert pb.source == Source(Origin.HIT, entry) and b.pages[:2] == entry.pages[:2] and entry.pins == 2
     assert sc.alloc.in_use() == 3 + 1 + 1 and sc.alloc.reserved == 2
     sc.commit([a, b], [0, 0], [(0, 0)] * 2, 0.0)                 # both finish and release
     assert entry.pins == 0 and sc.alloc.in_use() == 3 and sc.alloc.reserved == 0
@@ -246,11 +248,14 @@ def test_a_request_blocked_by_pins_fails_alone():
 
 
 def test_an_evicted_skipped_crop_is_prepared_again():
-    again = []
-    sc = scheduler(pages=17, reprepare=again.append)
+    """A request whose crops were skipped for a predicted hit that is evicted since waits
+    for the engine to prepare its image again (`take_unprepared`), once."""
+    sc = scheduler(pages=17)
     s = seq(10, image=FakeImage(b"gone", has_crops=False), prefix=8)
     admit(sc, s)
-    assert launch_prefill(sc) == [] and again == [s] and not s.ready
+    assert launch_prefill(sc) == [] and not s.ready and s.prep is None
+    assert launch_prefill(sc) == []                # still waiting: not asked twice
+    assert sc.take_unprepared() == [s] and sc.take_unprepared() == []
 
 
 def test_fail_all_returns_every_page():

@@ -20,10 +20,9 @@ import uvicorn
 from PIL import Image
 
 from photon_jax import Moondream
-from photon_jax.serve import ServeConfig, create_app
+from photon_jax.cli.serve import ServeConfig, create_app
 
-from conftest import FIXTURE_DIR
-from helpers import in_threads
+from helpers import FIXTURE_DIR, in_threads
 
 LAND = os.path.join(FIXTURE_DIR, "img_land800x600.png")
 SQ = os.path.join(FIXTURE_DIR, "img_sq378.png")
@@ -251,7 +250,7 @@ def test_models_health_metrics(live):
 def test_health_is_503_until_the_model_is_loaded():
     import asyncio
 
-    from photon_jax.serve import Server
+    from photon_jax.cli.serve import Server
     gate, model = threading.Event(), object()
     srv = Server(lambda: gate.wait(30) and model, ServeConfig())
     assert asyncio.run(srv.health(None)).status_code == 503
@@ -505,7 +504,7 @@ def test_cli_serves_and_stops_gracefully_on_sigterm(tiny_ckpt, tmp_path):
 
     port = _free_port()
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "photon_jax.serve", "--model", tiny_ckpt,
+    proc = subprocess.Popen([sys.executable, "-m", "photon_jax.cli.serve", "--model", tiny_ckpt,
                              "--port", str(port), "--batch-size", "4", "--no-warmup",
                              "--log-level", "warning", "--grace", "20"],
                             stdout=log, stderr=subprocess.STDOUT)
@@ -548,7 +547,7 @@ def test_cli_serves_and_stops_gracefully_on_sigterm(tiny_ckpt, tmp_path):
             proc.wait(10)
         log.close()
     # A model that cannot load stops the server with exit status 1.
-    bad = subprocess.run([sys.executable, "-m", "photon_jax.serve", "--model",
+    bad = subprocess.run([sys.executable, "-m", "photon_jax.cli.serve", "--model",
                           str(tmp_path / "missing"), "--port", str(_free_port()),
                           "--log-level", "critical"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "failed to load" in bad.stderr
@@ -612,6 +611,7 @@ def test_segment_route_shapes_for_moondream3():
 
     from photon_jax.api import _Call
     from photon_jax.request import Handle, Request
+    from photon_jax.scheduler import Outbox
 
     result = {"path": "M 0.1 0.2 L 0.3 0.4 Z", "ids": [5], "finish_reason": "stop",
               "output_tokens": 7, "bbox": {"x_min": 0.1, "y_min": 0.2, "x_max": 0.3,
@@ -627,7 +627,9 @@ def test_segment_route_shapes_for_moondream3():
             seen.append((image[:8], obj, refs, settings))
             h = Handle(types.SimpleNamespace(alive=True, failure=None, wake=lambda: None),
                        Request("segment", [1]))
-            h._finish(result=dict(result))
+            out = Outbox()   # the one writer of handles, as the engine's scheduler
+            out.result(h, dict(result))
+            out.flush()
             return _Call([h], False, False, None,
                          lambda h: {"path": h.result()["path"], "bbox": h.result()["bbox"]})
 

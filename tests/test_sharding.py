@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from photon_jax import memory, sharding
-from photon_jax.caption import UsageError, device_groups
+from photon_jax.cli.caption import UsageError, device_groups
 from photon_jax.config import moondream2, moondream3, tiny
 from photon_jax.params import abstract_params
 

@@ -4,7 +4,8 @@
 Every test runs with HF_HUB_OFFLINE=1 and HF_HOME / HF_HUB_CACHE / PHOTON_JAX_CACHE in
 tmp_path; a Hugging Face cache is laid out there from the tiny fixture as huggingface_hub lays
 it out (`models--ORG--NAME/blobs/<sha256>`, `snapshots/<commit>/<file>` symlinks to the blobs,
-`refs/<branch or tag>` holding the commit).  The bad snapshots are those of test_convert.py.
+`refs/<branch or tag>` holding the commit).  The bad snapshots are photon-convert's
+(`helpers.BAD_SNAPSHOTS`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ import pytest
 
 from photon_jax import sources
 from photon_jax.api import Moondream
-from photon_jax.caption import main as caption_main
+from photon_jax.cli.caption import main as caption_main
 from photon_jax.checkpoint import read_config
 from photon_jax.convert import ConvertError
-from test_convert import (_case_gpt2_tokenizer, _case_missing, _case_quantized_config,
-                          _case_shape, _gpt2_tokenizer, make_hf, read_safetensors)
+from helpers import BAD_SNAPSHOTS, gpt2_tokenizer, make_hf, read_safetensors
 
 REPO = "moondream-test/tiny"
 REV_MAIN, REV_TAG, REV_STARMIE = "a" * 40, "b" * 40, "c" * 40
@@ -189,7 +189,7 @@ def test_starmie_tokenizer_from_the_hf_cache(env, fixture_dir, tmp_path, monkeyp
     path, note = sources.find_tokenizer(str(snap))
     assert path == str(starmie / "tokenizer.json") and "no tokenizer.json" in note
 
-    _gpt2_tokenizer(snap / "tokenizer.json")   # the one old Moondream 2 snapshots carry
+    gpt2_tokenizer(snap / "tokenizer.json")   # the one old Moondream 2 snapshots carry
     path, note = sources.find_tokenizer(str(snap))
     assert path == str(starmie / "tokenizer.json") and "GPT-2" in note
 
@@ -216,8 +216,10 @@ def test_no_tokenizer_says_what_to_fetch_and_where(env, fixture_dir, tmp_path):
 # -- bad sources: the converter's messages; photon-caption exits 2 ------------------------
 
 
-BAD = {"missing_tensor": _case_missing, "wrong_shape": _case_shape,
-       "gpt2_tokenizer": _case_gpt2_tokenizer, "int4_checkpoint": _case_quantized_config}
+BAD = {"missing_tensor": BAD_SNAPSHOTS["missing_tensor"],
+       "wrong_shape": BAD_SNAPSHOTS["wrong_shape"],
+       "gpt2_tokenizer": BAD_SNAPSHOTS["gpt2_tokenizer"],
+       "int4_checkpoint": BAD_SNAPSHOTS["quantized_config"]}
 
 
 def caption_cli(fixture_dir, tmp_path, capfd, *model_args):

@@ -15,7 +15,7 @@ from photon_jax.settings import Settings
 from photon_jax.streaming import TextStreamer, is_cjk
 from photon_jax.tokenizer import Prompts
 
-from conftest import FIXTURE_DIR
+from helpers import FIXTURE_DIR
 
 CORPUS = ["a cat sat on the mat\nthe cat ate a fish", "猫が好き 日本語の文 です",
           "hello world, a dog and a cat\n\nend", "naïve café déjà vu"] * 40

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..caption import failure, outcome
+from ..cli.caption import failure, outcome
 
 OUTPUT_COLUMNS = ("caption", "finish_reason", "output_tokens", "error")
 

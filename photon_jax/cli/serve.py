@@ -44,9 +44,9 @@ from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import aio
-from .image import ImageError
-from .request import EngineError, RequestError
+from .. import aio
+from ..image import ImageError
+from ..request import EngineError, RequestError
 from .serve_inputs import (ApiError, Fields, bad, check_settings, decode_data_uri,
                            fetch_image, openai_finish, parse_chat)
 from .serve_metrics import Metrics
@@ -595,6 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compute dtype (default: the checkpoint's; float32 on CPU)")
     ap.add_argument("--device", type=int, default=None, metavar="INDEX",
                     help="the accelerator to use (default: the first)")
+    ap.add_argument("--tensor-parallel", type=int, default=None, metavar="K",
+                    help="one model over the first K devices (tensor parallel; the same "
+                         "answers as one device)")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="threads decoding and cropping images")
     ap.add_argument("--no-prefix-cache", action="store_true", help="do not reuse image prefixes")
@@ -648,12 +651,12 @@ def main(argv: list[str] | None = None) -> int:
                          allow_remote_images=args.allow_remote_images, model_name=name)
 
     def load():
-        from .api import Moondream
+        from ..api import Moondream
         return Moondream.load(args.model, revision=args.revision, dtype=args.dtype,
                               max_batch_size=args.batch_size, max_context=args.max_context,
                               kv_cache_tokens=args.kv_cache_tokens, kv_dtype=args.kv_dtype,
                               prefix_cache=not args.no_prefix_cache, workers=args.workers,
-                              device=args.device,
+                              device=args.device, tensor_parallel=args.tensor_parallel,
                               compile_cache=not args.no_compile_cache,
                               warmup=not args.no_warmup)
 

@@ -1,4 +1,5 @@
-"""`photon-convert HF_DIR OUT_DIR`: the command-line front of `photon_jax.convert`."""
+"""`photon-convert HF_DIR OUT_DIR` (also `python -m photon_jax.cli.convert` or
+`python -m photon_jax.convert`): the command-line front of `photon_jax.convert`."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .convert import ConvertError, convert
+    from ..convert import ConvertError, convert
 
     try:
         convert(args.hf_dir, args.out_dir, dtype=args.dtype, tokenizer=args.tokenizer,

@@ -1,4 +1,4 @@
-"""`photon-caption` (also `python -m photon_jax.caption`): caption, or ask one question about,
+"""`photon-caption` (also `python -m photon_jax.cli.caption`): caption, or ask one question about,
 every image of a dataset, into sidecar `.txt` files and/or one JSONL file.
 
 Owns: finding the images (directories, globs, list files), where each output goes (a sidecar
@@ -292,7 +292,7 @@ def resolve_model(args, log) -> str:
     """--model (and --revision) -> a photon_jax checkpoint directory (`sources.resolve`: a
     Hugging Face snapshot or hub id is converted into the cache on first use).  A bad source
     is a UsageError with a one-line reason."""
-    from . import sources
+    from .. import sources
 
     try:
         return sources.resolve(args.model, revision=getattr(args, "revision", None),
@@ -457,9 +457,9 @@ def run(args) -> Summary:
         log(f"photon-caption: all {len(items)} images are done (use --overwrite to redo)")
         return Summary(skipped=skipped)
 
-    from . import sharding
-    from .api import Moondream
-    from .request import EngineError
+    from .. import sharding
+    from ..api import Moondream
+    from ..request import EngineError
 
     model_dir = resolve_model(args, log)
     devices = parse_devices(args.devices)
