@@ -15,7 +15,7 @@ from photon_jax.engine import Engine, Request
 from photon_jax.model import Model
 from photon_jax.settings import Settings
 
-from conftest import FIXTURE_DIR, biased_model
+from helpers import FIXTURE_DIR, biased_model
 
 
 def attention64(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R):
