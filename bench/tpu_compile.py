@@ -283,7 +283,8 @@ def mesh_layout(cfg, devices):
 
     from photon_jax import kvpool, sharding, step as step_mod
 
-    tp = sharding.TensorParallel(jax.sharding.Mesh(np.array(devices), (sharding.AXIS,)))
+    tp = sharding.TensorParallel(jax.sharding.Mesh(np.array(devices), (sharding.AXIS,)),
+                                 pack=step_mod.choose(cfg, "tpu").pack)
 
     def shardings(args):
         def one(x):

@@ -53,6 +53,8 @@ class Model:
             self.params = text.unstack_layers(params)
         # What this device's platform means, worked out once (`step.Platform`).
         self.platform = step.choose(cfg, self.device.platform, attention)
+        if self.tp is not None:   # the layout knows how many kv heads a pool row holds
+            self.tp = sharding.TensorParallel(self.tp.mesh, pack=self.platform.pack)
         self.attention = self.platform.attention
         self.programs = step.build_for(cfg, self.platform, tp=self.tp)
         self.prompts = Prompts(tokenizer, cfg.tokenizer)

@@ -105,8 +105,10 @@ def param_axis_split(kp, shape: tuple, n: int) -> bool:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """The layout of one model over `mesh` (hashable: a static argument of the programs)."""
+    """The layout of one model over `mesh` (hashable: a static argument of the programs).
+    `pack`: kv heads per pool row (`step.Platform.pack`: 2 in the TPU kernel's layout)."""
     mesh: Mesh
+    pack: int = 1
 
     @property
     def n(self) -> int:
@@ -127,8 +129,10 @@ class TensorParallel:
                             is_leaf=lambda x: isinstance(x, P))
 
     def heads_split(self, n_kv_heads: int) -> bool:
-        """Whether the pool (and attention) is split by kv heads."""
-        return self.n > 1 and n_kv_heads % self.n == 0
+        """Whether the pool (and attention) is split by kv heads: the heads, and the pool
+        rows that hold them, divide over the mesh."""
+        rows = -(-n_kv_heads // self.pack)
+        return self.n > 1 and n_kv_heads % self.n == 0 and rows % self.n == 0
 
     def pool_spec(self, n_kv_heads: int) -> P:
         # Every pool array ([K, P, T, H] codes, [K, P, T] scales) leads with kv heads.

@@ -417,12 +417,12 @@ def _write_prefix_pages(pool: KVPool, k_LSKH, v_LSKH, page_S, off_S, *, tp=None)
     return KVPool(*(tuple(p) for p in (parts if pool.quantized else parts[:2])))
 
 
-def _copy_pages(pool: KVPool, src_N, dst_N, *, tp=None) -> KVPool:
+def _copy_pages(pool: KVPool, src_N, dst_N, *, tp=None, kv_heads: int = 0) -> KVPool:
     """Whole pages src_N[i] -> dst_N[i] in every layer (a prefix-cache hit), with their
     scales in an 8-bit pool.  Over a mesh, each chip copies its kv heads."""
     if tp is not None:
         return tp.on_pool(lambda pool, _, rest: _copy_pages(pool, *rest),
-                          pool.k[0][0].shape[0], pool, (), (src_N, dst_N))
+                          kv_heads, pool, (), (src_N, dst_N))
 
     def copy(arenas):
         return kvpool.write_pages(arenas, dst_N, kvpool.gather_pages(arenas, src_N))
@@ -632,7 +632,8 @@ def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp) -> Progr
         greedy=jax.jit(partial(sampling.sample, stochastic=False)),
         write_prefix=jax.jit(_write_prefix, donate_argnums=(0,)),
         write_prefix_pages=jax.jit(partial(_write_prefix_pages, tp=tp), donate_argnums=(0,)),
-        copy_pages=jax.jit(partial(_copy_pages, tp=tp), donate_argnums=(0,)),
+        copy_pages=jax.jit(partial(_copy_pages, tp=tp, kv_heads=cfg.text.n_kv_heads),
+                           donate_argnums=(0,)),
         forward=jax.jit(partial(_forward, attention=attention, dense=dense, **e),
                         static_argnums=(6,), donate_argnums=(1, 2)),
         prefill_slot=jax.jit(partial(_prefill_slot, **e), donate_argnums=(1, 2)),
