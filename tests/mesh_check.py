@@ -114,7 +114,6 @@ def main() -> None:
         meshed = [on_mesh(md2), on_mesh(md3)]
         out["layout"] = [layout(m) for m in meshed]
         out["mesh_pipelined"] = helpers.run_surfaces(meshed, pipelined=True)
-        out["mesh_blocking"] = helpers.run_surfaces(meshed, pipelined=False)
     elif CASE == "heads":
         # Heads that divide over the mesh: the pool and the attention split by kv heads.
         base2, base3 = Model.load(MD2), Model.load(MD3)

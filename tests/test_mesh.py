@@ -27,15 +27,15 @@ def assert_same(got: dict, want: dict, what: str) -> None:
         assert got[key] == want[key], f"{what}: {key} differs"
 
 
-def test_fixtures_on_4_devices_equal_one_device_both_loops():
+def test_fixtures_on_4_devices_equal_one_device():
     """The fixture models (one kv head: the pool is whole on each chip; linear layers, the
-    LM head and Moondream 3's experts split), every surface, pipelined and blocking."""
+    LM head and Moondream 3's experts split), every surface (the blocking loop: the heads
+    case below)."""
     out = run_case(4, "fixtures")
     md2, md3 = out["layout"]
     assert md2["qkv"] == "P(None, 'model')" and md2["lm_head"] == "P('model', None)"
     assert md2["pool"] == "P()" and md3["experts"] == "P('model', None, None)"
     assert_same(out["mesh_pipelined"], out["one"], "pipelined")
-    assert_same(out["mesh_blocking"], out["one"], "blocking")
     # The surfaces produce something to compare (not only empty strings).
     assert out["one"]["caption"]["caption"] and out["one"]["md3"][2]["objects"]
 
