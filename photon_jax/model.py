@@ -38,23 +38,22 @@ class Model:
     def __init__(self, cfg: MoondreamConfig, params: dict, tokenizer, device=None,
                  attention: str | None = None, mesh=None):
         self.cfg = cfg
-        self.tp = None if mesh is None else sharding.TensorParallel(sharding.check_mesh(mesh))
-        if self.tp is not None:
-            if device is not None:
-                raise ValueError("pass device or mesh, not both")
-            self.device = mesh.devices.flat[0]
-            self.placement = self.tp.replicated
-            params = text.unstack_layers(params)
-            # A no-op for params loaded onto the mesh (`load`); places any others.
-            self.params = jax.device_put(params, self.tp.param_shardings(params))
-        else:
-            self.device = resolve_device(device)
-            self.placement = jax.sharding.SingleDeviceSharding(self.device)
-            self.params = text.unstack_layers(params)
+        if mesh is not None and device is not None:
+            raise ValueError("pass device or mesh, not both")
+        self.device = (resolve_device(device) if mesh is None else
+                       sharding.check_mesh(mesh).devices.flat[0])
         # What this device's platform means, worked out once (`step.Platform`).
         self.platform = step.choose(cfg, self.device.platform, attention)
-        if self.tp is not None:   # the layout knows how many kv heads a pool row holds
-            self.tp = sharding.TensorParallel(self.tp.mesh, pack=self.platform.pack)
+        params = text.unstack_layers(params)
+        if mesh is None:
+            self.tp = None
+            self.placement = jax.sharding.SingleDeviceSharding(self.device)
+            self.params = params
+        else:   # (the layout knows how many kv heads a pool row holds: `pack`)
+            self.tp = sharding.TensorParallel(mesh, pack=self.platform.pack)
+            self.placement = self.tp.replicated
+            # A no-op for params loaded onto the mesh (`load`); places any others.
+            self.params = jax.device_put(params, self.tp.param_shardings(params))
         self.attention = self.platform.attention
         self.programs = step.build_for(cfg, self.platform, tp=self.tp)
         self.prompts = Prompts(tokenizer, cfg.tokenizer)

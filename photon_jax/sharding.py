@@ -16,7 +16,11 @@ Why columns only, and no row-parallel layer with an all-reduce: an all-reduce su
 products in another order than one chip's matmul does, so logits would differ in the last
 bits and, on near ties, the tokens.  Here every output element of every product is computed
 whole on one chip, and the activations between products are gathered (`dense`): the values
-are bitwise those of one chip (measured on XLA:CPU; `tests/test_mesh.py`).  The gathers move
+are bitwise those of one chip (measured on XLA:CPU; `tests/test_mesh.py`).  That rests on a
+column-split product summing each column in the order the whole one does, which XLA:CPU's
+dots and our CPU kernel do; a GPU or TPU GEMM may pick another algorithm (split-K, tiles)
+for the narrower shape, and then ties could break differently.  Unchecked: no multi-chip
+device was available (the check would be `tests/mesh_check.py` on a multi-GPU host).  The gathers move
 [rows, width] activations, a few MB per decode step at batch 32 -- nothing beside the
 weights a step reads.  The experts' outputs are combined with a `psum` in which exactly one
 chip contributes each (token, expert) product and the others add zeros, which is exact too.
@@ -42,6 +46,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 AXIS = "model"
 
 _TEXT_LINEARS = ("qkv", "proj", "fc1", "fc2")
+# The output axis of each leaf of a linear layer: {"w": [in, out], "b": [out]}, or the
+# serving LM head's {"w_vd": [out, in], "b"} (`text.unstack_layers`).
+_OUT_AXIS = {"w": -1, "w_vd": -2, "b": -1}
 
 
 def make_mesh(tensor_parallel: int, devices=None) -> Mesh:
@@ -70,7 +77,7 @@ def _key(entry) -> str:
     return str(getattr(entry, "key", getattr(entry, "idx", entry)))
 
 
-def param_axis(path: tuple[str, ...], ndim: int) -> int | None:
+def param_axis(path: tuple[str, ...]) -> int | None:
     """The axis a parameter is split on (negative, so stacked checkpoint layers and the
     serving per-layer dicts agree), or None: replicated.  `path`: its keys from the root."""
     if not path or path[0] != "text":
@@ -78,20 +85,21 @@ def param_axis(path: tuple[str, ...], ndim: int) -> int | None:
     name, parent = path[-1], path[-2] if len(path) > 1 else ""
     if "moe" in path and name in ("fc1", "fc2"):
         return -3                                # [.., E, in, out]: by expert
-    if parent == "lm_head":
-        return {"w": -1, "w_vd": -2, "b": -1}.get(name)
-    if parent in _TEXT_LINEARS and "moe" not in path[:-1] and name in ("w", "b"):
-        return -1                                # by output column
+    if parent == "lm_head" or (parent in _TEXT_LINEARS and "moe" not in path[:-1]):
+        return _OUT_AXIS.get(name)               # by output column (LM head: vocabulary)
     return None
 
 
-def param_spec(path: tuple[str, ...], shape: tuple, n: int) -> P:
-    axis = param_axis(path, len(shape))
+def _spec(axis: int | None, shape: tuple, n: int) -> P:
     if axis is None or n == 1 or shape[axis] % n:
         return P()
     spec = [None] * len(shape)
     spec[axis] = AXIS
     return P(*spec)
+
+
+def param_spec(path: tuple[str, ...], shape: tuple, n: int) -> P:
+    return _spec(param_axis(path), shape, n)
 
 
 def _path(kp) -> tuple[str, ...]:
@@ -148,8 +156,8 @@ class TensorParallel:
         """A linear layer (`layers.linear` or a kernel with its signature) computed by
         output columns on each chip from the gathered input, its output gathered again."""
         def apply(x, p):
-            specs = {k: param_spec(("text", "lm_head" if k == "w_vd" else "qkv", k),
-                                   v.shape, self.n) for k, v in p.items()}
+            # The rule `param_spec` placed them by (a text linear layer or the LM head).
+            specs = {k: _spec(_OUT_AXIS[k], v.shape, self.n) for k, v in p.items()}
             split = specs.get("w_vd", specs.get("w"))
             if split == P():
                 return inner(x, p)

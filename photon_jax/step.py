@@ -594,7 +594,7 @@ def choose(cfg: MoondreamConfig, platform: str, attention: str | None = None,
         name=platform, attention=attention, sweeps=sweep, shares_prefix=not sweep,
         plans_splits=attention in GPU_ATTENTION,
         pack=tpu_attention.pack(cfg.text.head_dim) if attention in TPU_ATTENTION else 1,
-        dense=attention == "cpu-kernel" and default_dense(cfg, attention),
+        dense=default_dense(cfg, attention),
         grouped=default_grouped(platform), vision_loop=default_vision_loop(platform),
         host_memory=host_platform(platform), dtype=cfg.dtype, kv_dtype=kv_dtype)
 

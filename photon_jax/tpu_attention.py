@@ -156,19 +156,20 @@ def _kernel(len_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sem, slot
                                               sem.at[1, slot])))
         return out
 
-    def start(row, block, slot):
+    def each_live(row, block, slot, op):
+        """`op` on the K and V copy of each live page of a block (pages past the row's
+        length are never copied)."""
         for live, ck, cv in copies(row, block, slot):
             @pl.when(live)
             def _():
-                ck.start()
-                cv.start()
+                op(ck)
+                op(cv)
+
+    def start(row, block, slot):
+        each_live(row, block, slot, lambda c: c.start())
 
     def wait(row, block, slot):
-        for live, ck, cv in copies(row, block, slot):
-            @pl.when(live)
-            def _():
-                ck.wait()
-                cv.wait()
+        each_live(row, block, slot, lambda c: c.wait())
 
     @pl.when(r == 0)
     def _():

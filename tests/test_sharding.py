@@ -38,7 +38,16 @@ def test_a_dimension_that_does_not_divide_stays_whole():
     assert s["blocks"]["qkv"]["w"] == P(None, None, "model")      # 192 = 3 x 64
     assert s["blocks"]["fc1"]["w"] == P()                         # 256 does not divide
     assert s["lm_head"]["w"] == P()                               # nor 32768
-    assert sharding.TensorParallel.__dataclass_fields__   # (hashable: a static argument)
+
+
+
+def test_the_layout_is_a_static_argument():
+    """Programs are cached per layout (`step._build`'s lru_cache): equal layouts over the
+    same mesh hash alike, a different pool packing does not compare equal."""
+    mesh = sharding.make_mesh(1)
+    a, b = sharding.TensorParallel(mesh), sharding.TensorParallel(mesh)
+    assert a == b and hash(a) == hash(b)
+    assert sharding.TensorParallel(mesh, pack=2) != a
 
 
 def test_memory_is_counted_per_chip():
