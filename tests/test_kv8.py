@@ -148,18 +148,21 @@ ON_CPU = pytest.mark.skipif(jax.default_backend() != "cpu",
 
 
 @ON_CPU
-def test_cpu_kernel_decodes_every_e4m3_code_exactly():
+@pytest.mark.parametrize("h", [256, 260], ids=["vectorized", "element-wise"])
+def test_cpu_kernel_decodes_every_e4m3_code_exactly(h):
     """A one-position row's attention is its V vector: with the 254 non-NaN e4m3 codes
     (subnormals, zeros and both signs included) in one vector at scale 1, the kernel's
-    arithmetic widening gives exactly ml_dtypes' values."""
+    arithmetic widening gives exactly ml_dtypes' values, on both of its paths (a head dim
+    that is a multiple of 8 or not)."""
     assert cpukernel.load(), cpukernel.reason()
-    codes = np.arange(256, dtype=np.uint8)
+    codes = np.zeros(h, np.uint8)
+    codes[:256] = np.arange(256, dtype=np.uint8)
     codes[[0x7F, 0xFF]] = 0                                  # the two NaN codes
-    v = np.zeros((1, 2, 4, 256), np.uint8)
+    v = np.zeros((1, 2, 4, h), np.uint8)
     v[0, 1, 0] = codes
     v8 = jnp.asarray(v).view(jnp.float8_e4m3fn)
     ones = jnp.ones((1, 2, 4), jnp.float32)
-    out = jax.jit(cpukernel.attend)(jnp.zeros_like(v8), v8, jnp.ones((1, 1, 256)),
+    out = jax.jit(cpukernel.attend)(jnp.zeros_like(v8), v8, jnp.ones((1, 1, h)),
                                     jnp.array([[1]], jnp.int32), jnp.array([1], jnp.int32),
                                     ones, ones)
     want = np.asarray(jnp.asarray(codes).view(jnp.float8_e4m3fn).astype(jnp.float32))
@@ -168,13 +171,15 @@ def test_cpu_kernel_decodes_every_e4m3_code_exactly():
 
 @ON_CPU
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_cpu_kernel_shared_pages_and_empty_rows(fmt):
-    """Our C++ kernel, GQA, page 16: rows of 0 / 17 / 64 positions and a row reading
-    another's pages (a shared prefix), float64 on the dequantized pages; a row of length 0
-    is zeros; 8-bit pages without their scales are refused."""
+@pytest.mark.parametrize("h,page", [(64, 16), (24, 12), (20, 16)],
+                         ids=["h64", "h24-page12", "h20"])   # vectorized and element-wise
+def test_cpu_kernel_shared_pages_and_empty_rows(fmt, h, page):
+    """Our C++ kernel, GQA: rows of 0 / 17 / 64 positions and a row reading another's pages
+    (a shared prefix), float64 on the dequantized pages; a row of length 0 is zeros; 8-bit
+    pages without their scales are refused."""
     assert cpukernel.load(), cpukernel.reason()
     rng = np.random.default_rng(3)
-    kh, g, h, page, m, p = 2, 4, 64, 16, 8, 24
+    kh, g, m, p = 2, 4, pages_for(64, page), 24
     kq, ksc, kd = quantized_pool(rng, fmt, kh, p, page, h)
     vq, vsc, vd = quantized_pool(rng, fmt, kh, p, page, h)
     lengths = [0, 17, 64]

@@ -150,19 +150,26 @@ def test_sweep_and_pallas_kernel_equal_dense_attention(kh, g):
     assert np.all(sweep[6:] == 0)   # padding rows of the bucket own no page
 
 
+# The kernel's two paths: head dims that are a multiple of 8 (vectorized; Moondream's 64,
+# and a page of 12 positions, which its 8-wide softmax pads) and any other (element-wise).
+CPU_KERNEL_SHAPES = pytest.mark.parametrize("h,page", [(64, 16), (24, 12), (20, 16)],
+                                            ids=["h64", "h24-page12", "h20"])
+
+
 @pytest.mark.parametrize("kh,g", [(4, 1), (2, 4)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cpu_kernel_equals_dense_attention(kh, g, dtype):
+@CPU_KERNEL_SHAPES
+def test_cpu_kernel_equals_dense_attention(kh, g, dtype, h, page):
     """Our C++ kernel (`cpukernel`, through the XLA FFI): rows of 0, 1, 16, 17, 31, 32, 64
-    and 100 positions (page 16: inside, on and across page boundaries), pages scattered
-    through one arena, two rows reading the same pages (shared prefix pages), bfloat16 pools
-    widened exactly: each row equals float64 attention over its own positions gathered
-    densely, a row of length 0 is zeros, and nothing else in the pool matters."""
+    and 100 positions (inside, on and across page boundaries), pages scattered through one
+    arena, two rows reading the same pages (shared prefix pages), bfloat16 pools widened
+    exactly: each row equals float64 attention over its own positions gathered densely, a
+    row of length 0 is zeros, and nothing else in the pool matters."""
     from photon_jax import cpukernel
 
     assert cpukernel.load(), cpukernel.reason()
     rng = np.random.default_rng(kh * 10 + g)
-    h, page, m, p = 64, 16, 8, 40
+    m, p = pages_for(100, page), 40
     dt = jnp.dtype(dtype)
     k = np.asarray(jnp.asarray(rng.normal(size=(kh, p, page, h)), dt).astype(jnp.float32))
     v = np.asarray(jnp.asarray(rng.normal(size=(kh, p, page, h)), dt).astype(jnp.float32))
