@@ -19,8 +19,10 @@ on the same images and checkpoints (`--keep DIR` keeps them between invocations)
 
 One JSON line per pass:
 
-  {"bench": "caption", "config", "ckpt_dtype", "compute_dtype", "batch", "images",
-   "max_tokens", "pass", "images_per_s", "tokens_per_s", "wall_s"}
+  {"bench": "caption", "config", "ckpt_dtype", "compute_dtype", "kv_dtype", "batch",
+   "images", "max_tokens", "pass", "images_per_s", "tokens_per_s", "wall_s"}
+  (+ "same_caption" for an 8-bit `--kv-dtype`: the share of images captioned exactly as
+  with the unquantized pool)
 
 images_per_s and tokens_per_s are the CLI's own `Summary` (from the first submission to the
 last write, model load excluded); wall_s is the whole call.  Random weights rarely emit EOS,
@@ -34,6 +36,7 @@ layers) with the fixture's 27-layer vision tower: the public reference needs 27 
   python bench/caption.py                                     # f32 and bf16 checkpoints, batch 32
   python bench/caption.py --batch 1 8 32 --ckpt-dtype float32
   python bench/caption.py --config tiny --images 3 --batch 1 2 --max-tokens 3   # smoke
+  python bench/caption.py --ckpt-dtype float32 --kv-dtype model int8 float8_e4m3fn
 """
 
 from __future__ import annotations
@@ -95,13 +98,15 @@ def caption_cli():
 
 
 def caption(ckpt: str, images: str, batch: int, max_tokens: int, out: str,
-            dtype: str | None = None) -> dict:
+            dtype: str | None = None, kv_dtype: str | None = None) -> dict:
     cli = caption_cli()
 
     argv = [images, "--model", ckpt, "--batch-size", str(batch), "--max-tokens",
             str(max_tokens), "--no-sidecar", "--jsonl", out, "--quiet", "--overwrite"]
     if dtype:
         argv += ["--dtype", dtype]
+    if kv_dtype:
+        argv += ["--kv-dtype", kv_dtype]
     args = cli.build_parser().parse_intermixed_args(argv)
     err = io.StringIO()
     t0 = time.perf_counter()
@@ -113,6 +118,16 @@ def caption(ckpt: str, images: str, batch: int, max_tokens: int, out: str,
                            f"{err.getvalue()[-2000:]}")
     return {"images_per_s": round(summary.images_per_s, 3),
             "tokens_per_s": round(summary.tokens_per_s, 1), "wall_s": round(wall, 2)}
+
+
+def _captions(jsonl: str) -> dict:
+    """{image: caption} of a photon-caption JSONL output (the last pass's)."""
+    out = {}
+    with open(jsonl) as f:
+        for line in f:
+            rec = json.loads(line)
+            out[rec["path"]] = rec["caption"]
+    return out
 
 
 def _child(code_args: list[str], env_extra: dict, cwd: str) -> list[dict]:
@@ -136,13 +151,14 @@ def _child(code_args: list[str], env_extra: dict, cwd: str) -> list[dict]:
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
 
-def _passes(ckpt, images, batch, max_tokens, out, dtype) -> list[dict]:
+def _passes(ckpt, images, batch, max_tokens, out, dtype, kv_dtype="") -> list[dict]:
     """(In a child process.)  The cold and the warm pass, in one process."""
     return [{"pass": name, **caption(ckpt, images, int(batch), int(max_tokens), out,
-                                     dtype or None)} for name in ("cold", "warm")]
+                                     dtype or None, kv_dtype or None)}
+            for name in ("cold", "warm")]
 
 
-def _one_run(ckpt, images, batch, max_tokens, out, dtype) -> list[dict]:
+def _one_run(ckpt, images, batch, max_tokens, out, dtype, kv_dtype="") -> list[dict]:
     """(In a child process.)  One photon-caption run: rates, load time, first caption."""
     cli = caption_cli()
 
@@ -150,6 +166,8 @@ def _one_run(ckpt, images, batch, max_tokens, out, dtype) -> list[dict]:
             "--no-sidecar", "--jsonl", out, "--quiet", "--overwrite"]
     if dtype:
         argv += ["--dtype", dtype]
+    if kv_dtype:
+        argv += ["--kv-dtype", kv_dtype]
     t0 = time.perf_counter()
     s = cli.run(cli.build_parser().parse_intermixed_args(argv))
     if s.exit_code != 0:
@@ -172,6 +190,11 @@ def main(argv=None) -> int:
                     choices=["float32", "bfloat16"], help="dtype the checkpoint is stored in")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="compute dtype passed to photon-caption (default: its own choice)")
+    ap.add_argument("--kv-dtype", nargs="+", default=["model"],
+                    help="KV pool formats to run side by side ('model': unquantized, or int8 "
+                         "/ float8_e4m3fn); an 8-bit run's lines also carry "
+                         "`same_caption`, the share of images whose caption equals the "
+                         "unquantized run's (run 'model' first)")
     ap.add_argument("--processes", action="store_true",
                     help="also run photon-caption twice in new processes sharing a fresh "
                          "persistent compile cache: a first run (fresh cache) and a second "
@@ -202,25 +225,38 @@ def main(argv=None) -> int:
             if not os.path.isdir(ckpt):
                 write_checkpoint(args.config, ckpt, ckpt_dtype)
             for b in args.batch:
-                common_args = [ckpt, imgs, str(b), str(args.max_tokens),
-                               os.path.join(tmp, f"{ckpt_dtype}-b{b}.jsonl"), args.dtype or ""]
-                # Each configuration in its own process with its own empty compile cache:
-                # "cold" compiles everything it meets.
-                rows = _child(["_passes", *common_args],
-                              {**env, "JAX_COMPILATION_CACHE_DIR": args.compile_cache or
-                               tempfile.mkdtemp(dir=tmp, prefix="xla-")}, tmp)
-                if args.processes:
-                    cache = tempfile.mkdtemp(dir=tmp, prefix="xla-")
-                    for name in ("fresh_cache", "warm_cache"):
-                        rows += [{"pass": name, **r} for r in _child(
-                            ["_one_run", *common_args],
-                            {**env, "JAX_COMPILATION_CACHE_DIR": cache}, tmp)]
-                for r in rows:
-                    print(json.dumps({"bench": "caption", "config": args.config,
-                                      "ckpt_dtype": ckpt_dtype, "compute_dtype": args.dtype,
-                                      "source": args.source_tree or "this tree",
-                                      "batch": b, "images": args.images,
-                                      "max_tokens": args.max_tokens, **r}), flush=True)
+                base = None   # the unquantized run's captions, by image
+                for kv in args.kv_dtype:
+                    kv_arg = "" if kv == "model" else kv
+                    out = os.path.join(tmp, f"{ckpt_dtype}-b{b}-{kv}.jsonl")
+                    common_args = [ckpt, imgs, str(b), str(args.max_tokens), out,
+                                   args.dtype or "", kv_arg]
+                    # Each configuration in its own process with its own empty compile
+                    # cache: "cold" compiles everything it meets.
+                    rows = _child(["_passes", *common_args],
+                                  {**env, "JAX_COMPILATION_CACHE_DIR": args.compile_cache or
+                                   tempfile.mkdtemp(dir=tmp, prefix="xla-")}, tmp)
+                    if args.processes:
+                        cache = tempfile.mkdtemp(dir=tmp, prefix="xla-")
+                        for name in ("fresh_cache", "warm_cache"):
+                            rows += [{"pass": name, **r} for r in _child(
+                                ["_one_run", *common_args],
+                                {**env, "JAX_COMPILATION_CACHE_DIR": cache}, tmp)]
+                    caps = _captions(out)
+                    extra = {}
+                    if kv == "model":
+                        base = caps
+                    elif base:
+                        extra["same_caption"] = round(
+                            sum(caps.get(k) == c for k, c in base.items()) / len(base), 3)
+                    for r in rows:
+                        print(json.dumps({"bench": "caption", "config": args.config,
+                                          "ckpt_dtype": ckpt_dtype,
+                                          "compute_dtype": args.dtype, "kv_dtype": kv,
+                                          "source": args.source_tree or "this tree",
+                                          "batch": b, "images": args.images,
+                                          "max_tokens": args.max_tokens, **r, **extra}),
+                              flush=True)
     return 0
 
 

@@ -41,8 +41,15 @@ def apply_bans(logits_RV, ban_RA):
 
 
 def greedy(logits_RV):
-    """argmax (lowest id on ties)."""
-    return jnp.argmax(logits_RV, axis=-1).astype(jnp.int32)
+    """argmax (lowest id on ties; a NaN counts as the largest, as in `jnp.argmax`).
+
+    Written as a max, then the lowest id holding it: XLA:CPU runs `argmax` (a reduce over
+    value and index pairs) one element at a time, 5.6 ms of CPU time for 32 rows of 32768
+    logits against 1.2 ms for these two plain reductions."""
+    top = jnp.max(logits_RV, axis=-1, keepdims=True)
+    ids = jnp.arange(logits_RV.shape[-1], dtype=jnp.int32)
+    hit = (logits_RV == top) | jnp.isnan(logits_RV)
+    return jnp.min(jnp.where(hit, ids, logits_RV.shape[-1]), axis=-1).astype(jnp.int32)
 
 
 def _top_p_draw(logits_V, temperature, top_p, key, candidates: int):

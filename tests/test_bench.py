@@ -134,12 +134,18 @@ def test_gpu_traffic_script_counts_both_kernels():
 
 def test_caption_bench_smoke():
     rows = run("caption.py", "--config", "tiny", "--images", "3", "--batch", "2",
-               "--max-tokens", "3", "--ckpt-dtype", "float32", "--processes")
-    assert [(r["batch"], r["pass"]) for r in rows] == [
-        (2, "cold"), (2, "warm"), (2, "fresh_cache"), (2, "warm_cache")]
+               "--max-tokens", "3", "--ckpt-dtype", "float32", "--processes",
+               "--kv-dtype", "model", "int8")
+    assert [(r["kv_dtype"], r["pass"]) for r in rows] == [
+        (kv, p) for kv in ("model", "int8") for p in ("cold", "warm", "fresh_cache",
+                                                      "warm_cache")]
     assert all(r["images"] == 3 and r["images_per_s"] > 0 and r["tokens_per_s"] > 0
                for r in rows)
-    assert all(r["first_caption_s"] > 0 and r["load_s"] > 0 for r in rows[2:])
+    assert all(r["first_caption_s"] > 0 and r["load_s"] > 0
+               for r in rows if r["pass"].endswith("cache"))
+    # The 8-bit run is compared with the unquantized one, image by image.
+    assert all("same_caption" not in r for r in rows[:4])
+    assert all(0.0 <= r["same_caption"] <= 1.0 for r in rows[4:])
 
 
 def test_prefix_bench_smoke():

@@ -119,3 +119,17 @@ def test_draws_follow_the_kept_distribution():
     freq = np.bincount(got, minlength=6) / n
     assert freq[3:].sum() == 0
     assert np.abs(freq[:3] - kept).max() < 0.03, freq
+
+
+def test_greedy_equals_argmax_on_ties_infinities_and_nan():
+    """`greedy` (a max, then the lowest id holding it) picks what `np.argmax` picks: the
+    lowest id among tied maxima, id 0 of an all -inf row (every id banned), the first NaN."""
+    rng = np.random.default_rng(1)
+    x = rng.integers(-3, 3, size=(6, 64)).astype(np.float32)   # many ties
+    x[1] = -np.inf
+    x[2, [5, 9]] = np.nan
+    x[3, 7] = np.inf
+    x[4, [2, 40]] = np.inf
+    got = np.asarray(jax.jit(sampling.greedy)(jnp.asarray(x)))
+    assert got.tolist() == np.argmax(x, -1).tolist()
+    assert got[1] == 0 and got[2] == 5 and got[4] == 2
