@@ -54,7 +54,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (CONFIGS, CPU_ALLOCATOR_ENV, RESULTS, ROOT, build_model,  # noqa: E402
-                    decode_cost, engine_run, env_info, measure, median, prefix, requests)
+                    ceiling_run, decode_cost, engine_run, env_info, kv_dtype_of, measure,
+                    median, prefix, requests, start)
 
 
 def host_work(model, config, batch, steps, mode, reps, work_ms) -> list[dict]:
@@ -156,6 +157,33 @@ def _busy_fraction(events) -> float | None:
     return round(busy_us / (max(b for _, b in spans) - spans[0][0]), 3)
 
 
+def kv_side_by_side(models, config: str, batch: int, steps: int, mode: str, reps: int) -> dict:
+    """The ceiling of each KV pool format at one batch, timed in turns (format A, B, C, A,
+    B, C, ... `reps` rounds) so that the machine's slow drifts hit every format alike: the
+    median tokens/s of each, its ratio to the first format's, and the bytes of its step
+    (XLA's cost analysis, with the CPU kernel's reads) against the step's floor."""
+    import jax
+
+    for m in models:
+        ceiling_run(m, batch, steps)   # compiles
+    runs = {i: [] for i in range(len(models))}
+    for _ in range(reps):
+        for i, m in enumerate(models):
+            runs[i].append(ceiling_run(m, batch, steps, warm=True))
+    names = [kv_dtype_of(m) or m.cfg.dtype for m in models]
+    tok = {n: round(median(runs[i]), 1) for i, n in enumerate(names)}
+    costs = {n: decode_cost(m.cfg, batch, start(m) + steps // 2,
+                            platform_=jax.devices()[0].platform, attention=m.attention,
+                            kv_dtype=kv_dtype_of(m)) for n, m in zip(names, models)}
+    return {"kind": "kv_side_by_side", "config": config, "batch": batch, "mode": mode,
+            "steps": steps, "reps": reps, "ceiling_tok_s": tok,
+            "over_first": {n: round(t / tok[names[0]], 3) for n, t in tok.items()},
+            "bytes_accessed": {n: c["bytes_accessed"] for n, c in costs.items()},
+            "floor_bytes": {n: c["floor_bytes"] for n, c in costs.items()},
+            "runs_tok_s": {n: [round(x, 1) for x in runs[i]] for i, n in enumerate(names)},
+            **env_info()}
+
+
 def child(args) -> None:
     if args.mode == "pinned":
         cores = sorted(os.sched_getaffinity(0))
@@ -175,10 +203,15 @@ def child(args) -> None:
         row["elapsed_s"] = round(time.perf_counter() - t_start, 1)   # of this mode's process
         print(json.dumps(row), flush=True)
 
+    kv_dtypes = args.kv_dtype or [None]
     for config in args.config:
-        model = build_model(config, kv_dtype=args.kv_dtype)
+        models = [build_model(config, kv_dtype=kv) for kv in kv_dtypes]
         for batch in args.batch:
-            emit(measure(model, config, batch, args.steps, args.mode, args.reps))
+            for model in models:
+                emit(measure(model, config, batch, args.steps, args.mode, args.reps))
+            if len(models) > 1:
+                emit(kv_side_by_side(models, config, batch, args.steps, args.mode,
+                                     args.side_reps))
     if args.host_work:
         model = build_model(args.config[-1])
         for row in host_work(model, args.config[-1], args.aux_batch, args.steps, args.mode,
@@ -252,9 +285,13 @@ def main(argv=None) -> int:
                     "position 1000 (compiled from abstract shapes)")
     ap.add_argument("--out", help="write all rows (JSON) and the gain plot here "
                     "(full run: bench/results)")
-    ap.add_argument("--kv-dtype", default=None,
+    ap.add_argument("--kv-dtype", nargs="+", default=None,
                     help="the KV pool's format for the loops: the model's dtype (default, or "
-                         "its name), int8 or float8_e4m3fn")
+                         "its name), int8 or float8_e4m3fn; several: each is measured, then "
+                         "their ceilings are timed in turns (a \"kv_side_by_side\" line per "
+                         "batch)")
+    ap.add_argument("--side-reps", type=int, default=7,
+                    help="rounds of the side-by-side ceiling runs (several --kv-dtype)")
     ap.add_argument("--mode", help=argparse.SUPPRESS)   # set in the child process
     args = ap.parse_args(argv)
     if args.mode:
@@ -281,7 +318,7 @@ def main(argv=None) -> int:
                *args.config, "--steps", str(args.steps), "--reps", str(args.reps),
                "--batch", *map(str, args.batch)]
         if args.kv_dtype:
-            cmd += ["--kv-dtype", args.kv_dtype]
+            cmd += ["--kv-dtype", *args.kv_dtype, "--side-reps", str(args.side_reps)]
         if args.host_work:
             cmd += ["--host-work", *map(str, args.host_work)]
         # The zombie tax is a property of the schedule, not of where XLA runs: one mode.

@@ -132,6 +132,20 @@ def test_gpu_traffic_script_counts_both_kernels():
     assert rows["gpu_attention", 32]["written_over_kv"] <= 0.05
 
 
+def test_pipeline_bench_times_kv_formats_in_turns():
+    """Several --kv-dtype: each format's loops, then one "kv_side_by_side" line whose
+    ceilings were timed in alternation, with each format's ratio to the first and its
+    bytes (an 8-bit pool's step reads fewer)."""
+    rows = run("pipeline.py", "--config", "tiny", "--batch", "2", "--steps", "4", "--reps",
+               "1", "--modes", "default", "--kv-dtype", "float32", "int8", "--side-reps", "2")
+    loops = [r for r in rows if r["kind"] == "loops"]
+    assert [r["kv_dtype"] for r in loops] == ["float32", "int8"]
+    (side,) = [r for r in rows if r["kind"] == "kv_side_by_side"]
+    assert set(side["ceiling_tok_s"]) == {"float32", "int8"} and side["over_first"]["float32"] == 1
+    assert all(len(v) == 2 and min(v) > 0 for v in side["runs_tok_s"].values())
+    assert side["bytes_accessed"]["int8"] < side["bytes_accessed"]["float32"]
+
+
 def test_caption_bench_smoke():
     rows = run("caption.py", "--config", "tiny", "--images", "3", "--batch", "2",
                "--max-tokens", "3", "--ckpt-dtype", "float32", "--processes",
