@@ -111,7 +111,7 @@ class EncodedImage:
             if self._released:
                 return
             self._released = True
-        self._engine._unpin(self.key)
+        self._engine.release_prefix(self.key)
 
     def __del__(self):
         try:
