@@ -1,4 +1,6 @@
 """The one place that calls `jax.jit`: every device program of the model, compiled per config.
+The model itself is the model modules' (`text`, `vision`, `region`); this module jits it and
+holds the serving glue (slots, pending buffers, the constraint table, unpacking `meta`).
 
 `build(cfg, attention)` returns a `Programs` bundle.  All functions take arrays positionally;
 static arguments are only shape buckets.  The KV pool (or cache) is donated into every call
@@ -37,15 +39,15 @@ import jax.numpy as jnp
 
 import flax.struct
 
-from . import (constraints, cpukernel, gpu_attention, kvpool, region, sampling, text,
-               tpu_attention, vision)
+from . import (constraints, cpukernel, gpu_attention, kvpool, sampling, text, tpu_attention,
+               vision)
 from .config import MoondreamConfig
 from .dtypes import F32, jnp_dtype
 from .kvpool import DecodeAccess, KVPool, PrefillAccess
 from .layers import linear
 from .meta import (F_LAST, F_PREFIX, F_START, KIND_COORD, KIND_SIZE, KIND_TOKEN,
                    M_OFF, M_PAGE, M_POS, M_ROW, M_TABLE, P_COUNT, P_OWNER)
-from .text import DenseAccess
+from .region import region_heads
 
 # Rows of the per-step sampling array `samp_FR` (int32 [6 + A, R]), uploaded once per
 # finalize: the row's pending-buffer row, constraint id, token index, seed, temperature and
@@ -161,54 +163,6 @@ def init_pending(rows: int) -> Pending:
                    jnp.zeros((rows, 2), F32))
 
 
-def input_embeddings(params, cfg: MoondreamConfig, kind, token, value, rows: bool = False):
-    """[..., D] embeddings of inputs: a token, a coordinate, or a (w, h) size each (any
-    leading shape: decode rows, or prompt positions with spatial refs).  `rows`: one token
-    per row, [R] (a decode step: `text.embed_rows`)."""
-    dt = jnp_dtype(cfg.dtype)
-    embed = text.embed_rows if rows else text.embed_tokens
-    tok = embed(params["text"], token).astype(dt)
-    coord = region.encode_coordinate(params["region"], value[..., 0], dt)
-    size = region.encode_size(params["region"], value, dt)
-    k = kind[..., None]
-    return jnp.where(k == KIND_COORD, coord, jnp.where(k == KIND_SIZE, size, tok))
-
-
-def _encode_image(params, crops_u8, src, ph, pw, *, cfg, vision_loop=False):
-    dt = jnp_dtype(cfg.dtype)
-    feats = vision.encode_crops(params["vision"], crops_u8, cfg.vision, dt, vision_loop)
-    return feats, vision.project(params["vision"], feats, src, ph, pw)
-
-
-def _prefill(params, cache, embeds_RTD, pos_RT, rows_R, prefix_R, last_R, kv_len, *, cfg,
-             with_routes=False, grouped="blocks"):
-    """Dense-cache prefill (the one-request path).  `with_routes` (parity traces): also the
-    MoE routing at each row's last position, (ids, weights) each [Lm, R, k]."""
-    hidden, cache, routes = text.forward(params["text"], cfg.text, embeds_RTD, pos_RT, cache,
-                                         DenseAccess(rows_R, prefix_R, kv_len), grouped)
-    last = jnp.take_along_axis(hidden, last_R[:, None, None], axis=1)[:, 0]
-    out = (cache, hidden, last, text.logits(params["text"], last))
-    if not with_routes:
-        return out
-    at_last = jax.tree.map(lambda a: jnp.take_along_axis(a, last_R[None, :, None, None],
-                                                         axis=2)[:, :, 0], routes)
-    return (*out, at_last)
-
-
-def _decode(params, cache, kind_R, token_R, value_R2, pos_R, rows_R, prefix_R, kv_len, *, cfg,
-            with_routes=False, grouped="blocks"):
-    """Dense-cache decode (the one-request path).  `with_routes` (parity traces): also the
-    MoE routing, (ids, weights) each [Lm, R, k]."""
-    x = input_embeddings(params, cfg, kind_R, token_R, value_R2)[:, None]
-    hidden, cache, routes = text.forward(params["text"], cfg.text, x, pos_R[:, None], cache,
-                                         DenseAccess(rows_R, prefix_R, kv_len), grouped)
-    h = hidden[:, 0]
-    out = (cache, h, text.logits(params["text"], h))
-    if not with_routes:
-        return out
-    return (*out, jax.tree.map(lambda a: a[:, :, 0], routes))
-
-
 # Each decode attention's reader of the pool and whether it writes by scatter (`kvpool`).
 _READERS = {"xla": (kvpool.sweep_attend, False),
             "cpu-kernel": (kvpool.cpu_kernel_attend, False),
@@ -239,8 +193,8 @@ def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_
     `dense`: the dense layers and LM head on `cpukernel.dense` (`default_dense`).  `splits`
     (static): the GPU kernel's split count (`Programs.decode_splits`; 1 for the others)."""
     rows = meta_FR[M_ROW]
-    x = input_embeddings(params, cfg, pending.kind[rows], pending.token[rows],
-                         pending.value[rows], rows=True)[:, None]
+    x = text.input_embeddings(params, pending.kind[rows], pending.token[rows],
+                              pending.value[rows], cfg=cfg, rows=True)[:, None]
     product = cpukernel.linear if dense and x.shape[0] >= DENSE_MIN_ROWS else linear
     hidden, pool, _ = text.forward(params["text"], cfg.text, x, meta_FR[M_POS][:, None], pool,
                                    decode_access(meta_FR, pages_2P, attention=attention,
@@ -279,7 +233,7 @@ def _prefill_slot(params, pool: KVPool, slot: Slot, kinds_RT, ids_RT, values_RT2
     refs) embed their values."""
     t = ids_RT.shape[1]
     pos = pre_FR[F_START][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    emb = input_embeddings(params, cfg, kinds_RT, ids_RT, values_RT2)
+    emb = text.input_embeddings(params, kinds_RT, ids_RT, values_RT2, cfg=cfg)
     access = PrefillAccess(write_2RT[0], write_2RT[1], table_RM, pre_FR[F_PREFIX], tp=tp)
     hidden, pool, _ = text.forward(params["text"], cfg.text, emb, pos, pool, access, grouped,
                                    tp=tp)
@@ -322,7 +276,7 @@ def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, samp_FR, 
         is_coord = tables.coord_kind[cons] & (tok == tok_cfg.coord_id)
         is_size = tables.size_kind[cons] & (tok == tok_cfg.size_id)
         kind = jnp.where(is_coord, KIND_COORD, jnp.where(is_size, KIND_SIZE, KIND_TOKEN))
-        _, cval, _, sval = _region_heads(params, slot.hidden[:r], cfg=cfg)
+        _, cval, _, sval = region_heads(params, slot.hidden[:r], cfg=cfg)
         k = kind[:, None]
         value = jnp.where(k == KIND_COORD, jnp.stack([cval, jnp.zeros_like(cval)], -1),
                           jnp.where(k == KIND_SIZE, sval, zeros))
@@ -355,49 +309,6 @@ def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR,
     (pool, slot, pending, _), _ = jax.lax.scan(body, (pool, slot, pending, jnp.int32(0)),
                                                (metas_NFR, pages_N2P))
     return pool, slot, pending
-
-
-def _embed_prompt(params, kinds_RT, ids_RT, values_RT2, *, cfg):
-    return input_embeddings(params, cfg, kinds_RT, ids_RT, values_RT2)
-
-
-def _image_prefix(params, img_emb_PD, *, cfg):
-    """[1, 1 + P, D]: BOS embedding then the image embeddings."""
-    bos = text.embed_tokens(params["text"], jnp.array([cfg.tokenizer.bos_id]))
-    return jnp.concatenate([bos.astype(img_emb_PD.dtype), img_emb_PD], axis=0)[None]
-
-
-def _region_heads(params, hidden_RD, *, cfg):
-    """Coordinate bin/value and size bins/values for each row's hidden state."""
-    r = cfg.region
-    cl = region.coord_logits(params["region"], hidden_RD)
-    cbin = jnp.argmax(cl, axis=-1).astype(jnp.int32)
-    sl = region.size_logits(params["region"], hidden_RD)
-    sbin = jnp.argmax(sl, axis=-1).astype(jnp.int32)
-    return (cbin, region.coord_value(cbin, r.coord_out_dim), sbin,
-            region.size_value(sbin, r.size_out_dim // 2))
-
-
-def _image_kv(params, crops_u8, src, ph, pw, *, cfg, grouped="blocks", vision_loop=False,
-              tp=None):
-    """An image's prefix KV ([L, 730, K, H] each): encode, project, and prefill BOS + image
-    tokens (bidirectional) in a one-row cache of exactly the prefix length."""
-    n = cfg.prefix_len
-    _, emb = _encode_image(params, crops_u8, src, ph, pw, cfg=cfg, vision_loop=vision_loop)
-    cache = text.init_cache(cfg, rows=1, length=n)
-    pos = jnp.arange(n, dtype=jnp.int32)[None]
-    zero, full = jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32)
-    _, cache, _ = text.forward(params["text"], cfg.text, _image_prefix(params, emb, cfg=cfg),
-                               pos, cache, DenseAccess(zero, full, n), grouped, tp=tp)
-    return cache.k[:, 0], cache.v[:, 0]
-
-
-def _write_prefix(cache, k_LPKH, v_LPKH, row):
-    """An image prefix into row `row` of a dense cache (the one-request path)."""
-    n = k_LPKH.shape[1]
-    k = cache.k.at[:, row, :n].set(k_LPKH)
-    v = cache.v.at[:, row, :n].set(v_LPKH)
-    return text.KVCache(k, v)
 
 
 def _write_prefix_pages(pool: KVPool, k_LSKH, v_LSKH, page_S, off_S, *, tp=None) -> KVPool:
@@ -618,19 +529,19 @@ def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp) -> Progr
     e = {**g, "tp": tp}                    # the engine's, split over a mesh with `tp`
     return Programs(
         cfg=cfg,
-        encode_image=jax.jit(partial(_encode_image, vision_loop=vision_loop, **c)),
-        image_kv=jax.jit(partial(_image_kv, vision_loop=vision_loop, **e)),
-        prefill=jax.jit(partial(_prefill, **g), static_argnums=(7,), donate_argnums=(1,)),
-        decode=jax.jit(partial(_decode, **g), static_argnums=(8,), donate_argnums=(1,)),
-        prefill_routes=jax.jit(partial(_prefill, with_routes=True, **g), static_argnums=(7,),
+        encode_image=jax.jit(partial(vision.encode_image, vision_loop=vision_loop, **c)),
+        image_kv=jax.jit(partial(text.image_kv, vision_loop=vision_loop, **e)),
+        prefill=jax.jit(partial(text.prefill, **g), static_argnums=(7,), donate_argnums=(1,)),
+        decode=jax.jit(partial(text.decode, **g), static_argnums=(8,), donate_argnums=(1,)),
+        prefill_routes=jax.jit(partial(text.prefill, with_routes=True, **g), static_argnums=(7,),
                                donate_argnums=(1,)),
-        decode_routes=jax.jit(partial(_decode, with_routes=True, **g), static_argnums=(8,),
+        decode_routes=jax.jit(partial(text.decode, with_routes=True, **g), static_argnums=(8,),
                               donate_argnums=(1,)),
-        embed_prompt=jax.jit(partial(_embed_prompt, **c)),
-        region_heads=jax.jit(partial(_region_heads, **c)),
+        embed_prompt=jax.jit(partial(text.input_embeddings, **c)),
+        region_heads=jax.jit(partial(region_heads, **c)),
         sample=jax.jit(partial(sampling.sample, candidates=candidates)),
         greedy=jax.jit(partial(sampling.sample, stochastic=False)),
-        write_prefix=jax.jit(_write_prefix, donate_argnums=(0,)),
+        write_prefix=jax.jit(text.write_prefix, donate_argnums=(0,)),
         write_prefix_pages=jax.jit(partial(_write_prefix_pages, tp=tp), donate_argnums=(0,)),
         copy_pages=jax.jit(partial(_copy_pages, tp=tp, kv_heads=cfg.text.n_kv_heads),
                            donate_argnums=(0,)),
