@@ -1,18 +1,20 @@
-"""The one place that calls `jax.jit`: every device program of the model, compiled per config.
-The model itself is the model modules' (`text`, `vision`, `region`); this module jits it and
-holds the serving glue (slots, pending buffers, the constraint table, unpacking `meta`).
+"""The one place that calls `jax.jit`: the device programs, compiled per config, and the
+serving glue they need (slots, pending buffers, the constraint table, unpacking `meta`).  The
+model itself is the model modules' (`text`, `vision`, `region`); this module wraps it.
 
-`build(cfg, attention)` returns a `Programs` bundle.  All functions take arrays positionally;
-static arguments are only shape buckets.  The KV pool (or cache) is donated into every call
-that writes it and handed back, so it is updated in place.
+Two bundles.  `build` gives the engine's `EnginePrograms`: `forward` (decode R rows into a
+slot), `prefill_slot` (prompt prefill into a slot), `sample_step` (constrained sampling of a
+slot's rows into the pending buffers), `image_kv` (an image's prefix K/V),
+`write_prefix_pages` / `copy_pages` (that prefix into pool pages, from its dense K/V or from
+the prefix cache's pages) and `ceiling`.  Forward and sample are separate so the constraint
+of step t+1 can be built on the host after step t is committed; `ceiling` scans forward +
+sample over precomputed per-step metadata inside one program: the device-only bound of the
+benchmark (a static trip count: no host round trip on any backend).  `build_oracle` gives the
+one-request path's `OraclePrograms` over a dense cache (`reference`, the parity tests).
 
-The engine's programs are `forward` (decode R rows into a slot), `prefill_slot` (prompt
-prefill into a slot), `sample_step` (constrained sampling of a slot's rows into the pending
-buffers), `write_prefix` / `copy_pages` (an image prefix into pool pages, from its dense K/V
-or from the prefix cache's pages): forward and sample are separate so the constraint of step
-t+1 can be built on the host after step t is committed.  `ceiling` scans forward + sample
-over precomputed per-step metadata inside one jitted program: the device-only bound of the
-benchmark (a static trip count: no host round trip on any backend).
+All programs take arrays positionally; static arguments are only shape buckets.  The KV pool
+(or cache) is donated into every call that writes it and handed back, so it is updated in
+place.
 
 `attention` selects the decode attention: "xla" (the in-place sweep of `kvpool`, every
 backend), "cpu-kernel" (our C++ paged-attention kernel through the XLA FFI: `cpukernel`),
@@ -20,7 +22,7 @@ backend), "cpu-kernel" (our C++ paged-attention kernel through the XLA FFI: `cpu
 paged-attention kernel), "pallas-tpu" (our Pallas TPU kernel, `tpu_attention`, over the
 pool's TPU layout) or "pallas-interpret" / "pallas-tpu-interpret" (the same kernels run by
 the Pallas interpreter: tests on CPU).  The GPU kernel's split count is a static argument of
-the decode programs, planned on the host per step (`Programs.decode_splits`).
+the decode programs, planned on the host per step (`EnginePrograms.decode_splits`).
 
 Input kinds of a decode row (`kind_R`): 0 = token id, 1 = coordinate value, 2 = size value.
 Detect/point feed region values back as embeddings, so one decode program serves text and
@@ -191,7 +193,7 @@ def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_
     """One decode step for R rows over the arenas given: inputs gathered on the device from
     the pending buffers by row (never through the host), logits and hidden into the slot.
     `dense`: the dense layers and LM head on `cpukernel.dense` (`default_dense`).  `splits`
-    (static): the GPU kernel's split count (`Programs.decode_splits`; 1 for the others)."""
+    (static): the GPU kernel's split count (`EnginePrograms.decode_splits`; 1 for the others)."""
     rows = meta_FR[M_ROW]
     x = text.input_embeddings(params, pending.kind[rows], pending.token[rows],
                               pending.value[rows], cfg=cfg, rows=True)[:, None]
@@ -295,7 +297,7 @@ def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR,
     """The device-only ceiling: one decode + sample step per entry of the stacked per-step
     metadata, in one `lax.scan` (a static trip count), no host work between steps (token
     indices advance by one per step).  `splits` (static): the GPU kernel's split count for
-    every step (plan it from the last step's lengths: `Programs.decode_splits`)."""
+    every step (plan it from the last step's lengths: `EnginePrograms.decode_splits`)."""
     def body(carry, step):
         pool, slot, pending, i = carry
         meta, pages = step
@@ -341,10 +343,12 @@ def _copy_pages(pool: KVPool, src_N, dst_N, *, tp=None, kv_heads: int = 0) -> KV
 
 
 @dataclass(frozen=True)
-class Programs:
+class OraclePrograms:
+    """The one-request path's programs over a dense `text.KVCache` (`reference`, the parity
+    and invariant tests).  Its image prefix is the engine's `image_kv`, so both paths start
+    from the same K/V."""
     cfg: MoondreamConfig
-    encode_image: Callable
-    image_kv: Callable
+    encode_image: Callable    # -> (patch features, image embeddings): parity traces
     prefill: Callable
     decode: Callable
     # prefill / decode that also return the MoE routing (parity traces of Moondream 3).
@@ -352,10 +356,16 @@ class Programs:
     decode_routes: Callable
     embed_prompt: Callable
     region_heads: Callable
-    sample: Callable          # the one-request path's sampling (all variants)
+    sample: Callable          # all variants, picked by argument
     greedy: Callable
     write_prefix: Callable
-    # The engine's programs (slot, pending buffers and KV pool are donated).
+
+
+@dataclass(frozen=True)
+class EnginePrograms:
+    """The serving engine's programs (the slot, pending buffers and KV pool are donated)."""
+    cfg: MoondreamConfig
+    image_kv: Callable
     write_prefix_pages: Callable
     copy_pages: Callable
     # forward(params, pool, slot, pending, meta, pages, splits=1): `splits` is static, one
@@ -434,16 +444,14 @@ def default_grouped(platform: str) -> str:
 
 def build(cfg: MoondreamConfig, attention: str = "xla",
           candidates: int = sampling.DEFAULT_CANDIDATES, grouped: str = "blocks",
-          vision_loop: bool = False, dense: bool | None = None, tp=None) -> Programs:
-    """The jitted programs of one config.  Cached per (config, attention, candidates,
-    grouped, vision_loop) (configs are frozen and hashable), so loading the same model again
-    -- on another device, in another engine -- reuses the compiled executables instead of
-    tracing and compiling anew.  `candidates`: the top-p candidate cap (`sampling`);
-    `grouped`: the MoE prefill schedule (`moe.schedule`); `vision_loop`: the vision
-    attention's formulation (`default_vision_loop`); `dense`: decode's dense layers on the
-    CPU kernel (None: `default_dense`); `tp`: the engine's programs (forward, prefill,
-    prefix writes and copies, the image prefix) split over a mesh
-    (`sharding.TensorParallel`); the one-request programs stay on one device's layout."""
+          vision_loop: bool = False, dense: bool | None = None, tp=None) -> EnginePrograms:
+    """The engine's jitted programs of one config.  Cached per argument (configs are frozen
+    and hashable), so loading the same model again -- on another device, in another engine
+    -- reuses the compiled executables instead of tracing and compiling anew.
+    `candidates`: the top-p candidate cap (`sampling`); `grouped`: the MoE prefill schedule
+    (`moe.schedule`); `vision_loop`: the vision attention's formulation
+    (`default_vision_loop`); `dense`: decode's dense layers on the CPU kernel (None:
+    `default_dense`); `tp`: the programs split over a mesh (`sharding.TensorParallel`)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
     if attention == "cpu-kernel":
@@ -457,6 +465,28 @@ def build(cfg: MoondreamConfig, attention: str = "xla",
         raise ValueError("dense=True needs attention='cpu-kernel', float32 and a CPU with "
                          "AVX2 and FMA (`default_dense`)")
     return _build(cfg, attention, candidates, grouped, vision_loop, dense, tp)
+
+
+@lru_cache(maxsize=16)
+def build_oracle(cfg: MoondreamConfig, candidates: int = sampling.DEFAULT_CANDIDATES,
+                 grouped: str = "blocks", vision_loop: bool = False) -> OraclePrograms:
+    """The one-request path's jitted programs of one config (cached as `build`'s), on one
+    device's layout."""
+    g = {"cfg": cfg, "grouped": grouped}
+    return OraclePrograms(
+        cfg=cfg,
+        encode_image=jax.jit(partial(vision.encode_image, cfg=cfg, vision_loop=vision_loop)),
+        prefill=jax.jit(partial(text.prefill, **g), static_argnums=(7,), donate_argnums=(1,)),
+        decode=jax.jit(partial(text.decode, **g), static_argnums=(8,), donate_argnums=(1,)),
+        prefill_routes=jax.jit(partial(text.prefill, with_routes=True, **g),
+                               static_argnums=(7,), donate_argnums=(1,)),
+        decode_routes=jax.jit(partial(text.decode, with_routes=True, **g),
+                              static_argnums=(8,), donate_argnums=(1,)),
+        embed_prompt=jax.jit(partial(text.input_embeddings, cfg=cfg)),
+        region_heads=jax.jit(partial(region_heads, cfg=cfg)),
+        sample=jax.jit(partial(sampling.sample, candidates=candidates)),
+        greedy=jax.jit(partial(sampling.sample, stochastic=False)),
+        write_prefix=jax.jit(text.write_prefix, donate_argnums=(0,)))
 
 
 @dataclass(frozen=True)
@@ -511,37 +541,30 @@ def choose(cfg: MoondreamConfig, platform: str, attention: str | None = None,
 
 
 def build_for(cfg: MoondreamConfig, platform: "str | Platform", attention: str | None = None,
-              tp=None) -> Programs:
-    """The programs a device of `platform` ("cpu", "gpu", ..., or its `Platform` record)
-    gets: its default attention (or `attention`), MoE prefill schedule and vision attention
-    (`choose`).  What
-    `Model` builds; the GPU tests and `bench/gpu_compile.py` build a GPU's this way too.
-    `tp`: the engine's programs over a mesh (`sharding.TensorParallel`)."""
+              tp=None) -> EnginePrograms:
+    """The engine's programs a device of `platform` ("cpu", "gpu", ..., or its `Platform`
+    record) gets: its default attention (or `attention`), MoE prefill schedule and vision
+    attention (`choose`).  What `Model` builds; the GPU tests and `bench/gpu_compile.py`
+    build a GPU's this way too.  `tp`: over a mesh (`sharding.TensorParallel`)."""
     rec = platform if isinstance(platform, Platform) else choose(cfg, platform, attention)
     return build(cfg, rec.attention, grouped=rec.grouped, vision_loop=rec.vision_loop,
                  dense=rec.dense, tp=tp)
 
 
+def oracle_for(cfg: MoondreamConfig, platform: "str | Platform") -> OraclePrograms:
+    """The one-request path's programs on `platform` (its MoE prefill schedule and vision
+    attention, as `build_for`'s)."""
+    rec = platform if isinstance(platform, Platform) else choose(cfg, platform)
+    return build_oracle(cfg, grouped=rec.grouped, vision_loop=rec.vision_loop)
+
+
 @lru_cache(maxsize=16)
-def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp) -> Programs:
+def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp) -> EnginePrograms:
     c = {"cfg": cfg}
-    g = {"cfg": cfg, "grouped": grouped}   # programs with a text forward (MoE schedules)
-    e = {**g, "tp": tp}                    # the engine's, split over a mesh with `tp`
-    return Programs(
+    e = {"cfg": cfg, "grouped": grouped, "tp": tp}
+    return EnginePrograms(
         cfg=cfg,
-        encode_image=jax.jit(partial(vision.encode_image, vision_loop=vision_loop, **c)),
         image_kv=jax.jit(partial(text.image_kv, vision_loop=vision_loop, **e)),
-        prefill=jax.jit(partial(text.prefill, **g), static_argnums=(7,), donate_argnums=(1,)),
-        decode=jax.jit(partial(text.decode, **g), static_argnums=(8,), donate_argnums=(1,)),
-        prefill_routes=jax.jit(partial(text.prefill, with_routes=True, **g), static_argnums=(7,),
-                               donate_argnums=(1,)),
-        decode_routes=jax.jit(partial(text.decode, with_routes=True, **g), static_argnums=(8,),
-                              donate_argnums=(1,)),
-        embed_prompt=jax.jit(partial(text.input_embeddings, **c)),
-        region_heads=jax.jit(partial(region_heads, **c)),
-        sample=jax.jit(partial(sampling.sample, candidates=candidates)),
-        greedy=jax.jit(partial(sampling.sample, stochastic=False)),
-        write_prefix=jax.jit(text.write_prefix, donate_argnums=(0,)),
         write_prefix_pages=jax.jit(partial(_write_prefix_pages, tp=tp), donate_argnums=(0,)),
         copy_pages=jax.jit(partial(_copy_pages, tp=tp, kv_heads=cfg.text.n_kv_heads),
                            donate_argnums=(0,)),
