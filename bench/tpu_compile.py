@@ -236,7 +236,8 @@ def program_calls(cfg, a: dict, batch: int, grouped: str | None = None, tp=None)
                                  cfg.vision)
     src, ph, pw = image_mod.pool_operands(crops.tiling, cfg.vision)
     n = int(crops.crops.shape[0])
-    yield "encode_image", {"crops": n}, P.encode_image, (params, crops.crops, src, ph, pw)
+    yield "encode_image", {"crops": n}, step_mod.oracle_for(cfg, "tpu").encode_image, (
+        params, crops.crops, src, ph, pw)
     yield "image_kv", {"crops": n}, P.image_kv, (params, crops.crops, src, ph, pw)
 
 

@@ -294,8 +294,9 @@ class Engine:
                                      skip_crops_for)
         seq.prep.add_done_callback(lambda _: self._wake.set())
 
-    def _unpin(self, key: bytes) -> None:
-        """(Any thread, including a finalizer.)  Queued for the scheduler thread."""
+    def release_prefix(self, key: bytes) -> None:
+        """Unpin the prefix-cache entry of image key `key` (`EncodedImage.release`).  Any
+        thread, including a finalizer: queued for the scheduler thread."""
         if self.alive:
             self._unpins.put(key)
             self._wake.set()

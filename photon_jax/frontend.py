@@ -82,7 +82,7 @@ def prepare_image(model, img, skip_crops_for: Container[bytes] = frozenset()) ->
 
 def encode_prepared(image_kv, params, prep: PreparedImage) -> ImagePrefix:
     """Device only (asynchronous): vision encoder, projection and the image prefix KV, by
-    the caller's `image_kv` program (`step.Programs.image_kv`)."""
+    the caller's `image_kv` program (`step.EnginePrograms.image_kv`)."""
     if not prep.has_crops:
         raise ValueError("this PreparedImage has no crops (its prefix was cached)")
     k, v = image_kv(params, prep.crops, prep.src, prep.ph, prep.pw)
@@ -111,7 +111,7 @@ class EncodedImage:
             if self._released:
                 return
             self._released = True
-        self._engine._unpin(self.key)
+        self._engine.release_prefix(self.key)
 
     def __del__(self):
         try:

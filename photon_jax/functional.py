@@ -6,8 +6,9 @@ decode step, the region heads, and a greedy `generate` as a `lax.while_loop`.  E
 takes `(params, cfg, ...)` -- `params` as `Model.load` gives them (text layers as per-layer
 lists, LM head `w_vd`) or in the stacked checkpoint layout (`text.stack_layers`), `cfg` the
 frozen `MoondreamConfig` (close over it, or mark it static) -- and works on ONE sequence:
-batch with `jax.vmap`.  Nothing here calls `jax.jit`; the model code is `step.py`'s (the
-engine's programs wrap the same functions) over `text.forward` with a dense cache.
+batch with `jax.vmap`.  Nothing here calls `jax.jit`; these wrap the model modules' functions
+(`vision.encode_image`, `text.image_prefix`, `text.prefill`), which `step` jits for the
+engine and the oracle.
 
 The cache is a `text.KVCache` of one sequence, k and v [L, S, K, H] each: position p of the
 sequence at index p.  Axis letters (docs/architecture.md) plus: C crops, P image patches
@@ -37,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import image, region, sampling, step, text
+from . import image, region, sampling, text, vision
 from .config import MoondreamConfig
 from .dtypes import jnp_dtype
 from .text import KVCache
@@ -57,7 +58,7 @@ def image_inputs(cfg: MoondreamConfig, img):
 
 def encode_image(params, cfg: MoondreamConfig, crops_CHWc, src_HW, ph_GH, pw_GW):
     """Vision encoder + projection: -> img_PD, the image embeddings [P, D]."""
-    return step._encode_image(params, crops_CHWc, src_HW, ph_GH, pw_GW, cfg=cfg)[1]
+    return vision.encode_image(params, crops_CHWc, src_HW, ph_GH, pw_GW, cfg=cfg)[1]
 
 
 def embed_tokens(params, cfg: MoondreamConfig, ids):
@@ -68,7 +69,7 @@ def embed_tokens(params, cfg: MoondreamConfig, ids):
 def prompt_embeddings(params, cfg: MoondreamConfig, img_PD, ids_T):
     """BOS + image embeddings + prompt tokens: [1 + P + T, D], the input of `prefill` (its
     first `cfg.prefix_len` = 1 + P positions are the bidirectional image prefix)."""
-    prefix = step._image_prefix(params, img_PD, cfg=cfg)[0]
+    prefix = text.image_prefix(params, img_PD, cfg=cfg)[0]
     return jnp.concatenate([prefix, embed_tokens(params, cfg, ids_T)], axis=0)
 
 
@@ -79,15 +80,15 @@ def init_cache(cfg: MoondreamConfig, length: int) -> KVCache:
 
 
 def _forward(params, cfg, cache: KVCache, x_TD, start, last, prefix):
-    """T inputs at positions start.. over the whole cache (step._prefill on a one-row view)
+    """T inputs at positions start.. over the whole cache (`text.prefill` on a one-row view)
     -> (logits at index `last` [V], hidden [T, D], cache)."""
-    def one(a):   # [1] int32: the row, its prefix length, its last index
+    def one(a):
         return jnp.reshape(jnp.asarray(a, _I32), (1,))
 
     pos_1T = (start + jnp.arange(x_TD.shape[0], dtype=_I32))[None]
     rows = KVCache(cache.k[:, None], cache.v[:, None])
-    rows, hidden, _, lg = step._prefill(params, rows, x_TD[None], pos_1T, one(0), one(prefix),
-                                        one(last), rows.k.shape[2], cfg=cfg)
+    rows, hidden, _, lg = text.prefill(params, rows, x_TD[None], pos_1T, one(0), one(prefix),
+                                       one(last), rows.k.shape[2], cfg=cfg)
     return lg[0], hidden[0], KVCache(rows.k[:, 0], rows.v[:, 0])
 
 

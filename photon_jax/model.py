@@ -1,16 +1,19 @@
 """A loaded model: config, params on one device or over a mesh, compiled programs and the
 tokenizer.
 
-The params keep the text layers as lists of per-layer dicts (`text.unstack_layers`): the
-serving programs unroll the layer loop over them.  `attention` picks the decode attention
-(`step.ATTENTION`); by default the Pallas kernel on GPU, our C++ kernel on CPU (the XLA sweep
-where it cannot be built), the XLA sweep elsewhere.  `mesh` (one axis, "model"): the
-params and the engine's programs split over its devices (`sharding`); `placement` is where
-host data for a program goes (the one device, or replicated over the mesh)."""
+`programs` are the engine's (`step.EnginePrograms`); `oracle_programs`, built on first use,
+the one-request path's (`step.OraclePrograms`: `reference`, the parity tests).  The params
+keep the text layers as lists of per-layer dicts, unstacked once here
+(`text.unstack_layers`): the serving programs unroll the layer loop over them.
+`attention` picks the decode attention (`step.ATTENTION`; by default `step.choose`'s).
+`mesh` (one axis, "model"): the params and the engine's programs split over its devices
+(`sharding`); `placement` is where host data for a program goes (the one device, or
+replicated over the mesh)."""
 
 from __future__ import annotations
 
 import os
+from functools import cached_property
 from typing import Callable
 
 import jax
@@ -36,27 +39,32 @@ def resolve_device(device):
 
 class Model:
     def __init__(self, cfg: MoondreamConfig, params: dict, tokenizer, device=None,
-                 attention: str | None = None, mesh=None):
+                 attention: str | None = None, mesh=None, *, free_stacked: bool = False):
+        """`params` stacked (the checkpoint layout) or already unstacked.  `free_stacked`:
+        delete each stacked array once sliced (params no one else holds: `load`'s)."""
         self.cfg = cfg
         if mesh is not None and device is not None:
             raise ValueError("pass device or mesh, not both")
         self.device = (resolve_device(device) if mesh is None else
                        sharding.check_mesh(mesh).devices.flat[0])
-        # What this device's platform means, worked out once (`step.Platform`).
         self.platform = step.choose(cfg, self.device.platform, attention)
-        params = text.unstack_layers(params)
+        params = text.unstack_layers(params, free=free_stacked)
         if mesh is None:
             self.tp = None
             self.placement = jax.sharding.SingleDeviceSharding(self.device)
             self.params = params
-        else:   # (the layout knows how many kv heads a pool row holds: `pack`)
+        else:
             self.tp = sharding.TensorParallel(mesh, pack=self.platform.pack)
             self.placement = self.tp.replicated
-            # A no-op for params loaded onto the mesh (`load`); places any others.
+            # A no-op for params `load` read onto the mesh; places any others.
             self.params = jax.device_put(params, self.tp.param_shardings(params))
         self.attention = self.platform.attention
         self.programs = step.build_for(cfg, self.platform, tp=self.tp)
         self.prompts = Prompts(tokenizer, cfg.tokenizer)
+
+    @cached_property
+    def oracle_programs(self) -> step.OraclePrograms:
+        return step.oracle_for(self.cfg, self.platform)
 
     @property
     def mesh(self):
@@ -86,8 +94,7 @@ class Model:
         if preflight is not None:
             preflight(cfg, dev)
         tp = None if mesh is None else sharding.TensorParallel(mesh)
-        params = text.unstack_layers(checkpoint.restore_params(path, cfg, device=dev, tp=tp),
-                                     free=True)
+        params = checkpoint.restore_params(path, cfg, device=dev, tp=tp)
         tok = load_tokenizer(os.path.join(path, "tokenizer.json"))
         return cls(cfg, params, tok, device=None if mesh is not None else dev,
-                   attention=attention, mesh=mesh)
+                   attention=attention, mesh=mesh, free_stacked=True)

@@ -1,13 +1,14 @@
 """The plain reference path: one request at a time, exactly the reference's control flow.
 
-Built from the same jitted programs (`step.py`) the engine uses, so the engine can be checked
-against it token for token.  Semantics (Moondream 2, normative): the first text token is
-sampled without suppression, every later one with the answer id banned; detect/point are
-greedy and continue while the full-vocabulary argmax is not EOS; x, y (and size) are read by
-the region heads from the hidden state before post_ln and fed back as embeddings;
-coordinates are bin/1024, sizes 2^(bin*10/1023 - 10), boxes are not clamped.  Segment
-(Moondream 3, no oracle): free sampling, coord / size ids fed back as the values their hidden
-states decode to, output parsed by `skills.parse_segment`.
+Built from the same model functions as the engine (`step.OraclePrograms`, and the engine's
+own image program), so the engine can be checked against it token for token.  Semantics
+(Moondream 2, normative): the first text token is sampled without suppression, every later
+one with the answer id banned; detect/point are greedy and continue while the
+full-vocabulary argmax is not EOS; x, y (and size) are read by the region heads from the
+hidden state before post_ln and fed back as embeddings; coordinates are bin/1024, sizes
+2^(bin*10/1023 - 10), boxes are not clamped.  Segment (Moondream 3, no oracle): free
+sampling, coord / size ids fed back as the values their hidden states decode to, output
+parsed by `skills.parse_segment`.
 
 `trace` (a dict) collects the intermediate arrays the parity tests compare.
 """
@@ -42,8 +43,8 @@ def encode_image(model: Model, img, trace: dict | None = None) -> ImagePrefix:
     prep = prepare_image(model, img)
     enc = encode_prepared(model.programs.image_kv, model.params, prep)
     if trace is not None:
-        feats, emb = model.programs.encode_image(model.params, prep.crops, prep.src, prep.ph,
-                                                 prep.pw)
+        feats, emb = model.oracle_programs.encode_image(model.params, prep.crops, prep.src,
+                                                        prep.ph, prep.pw)
         trace.update(crops=np.array(prep.crops), tiling=prep.tiling, vision_out=feats,
                      img_emb=emb, prefix_k=enc.k, prefix_v=enc.v)
     return enc
@@ -55,7 +56,7 @@ class _Session:
     `self.routes`."""
 
     def __init__(self, model: Model, enc: ImagePrefix | None, routes: bool = False):
-        self.m, self.P, self.cfg = model, model.programs, model.cfg
+        self.m, self.P, self.cfg = model, model.oracle_programs, model.cfg
         self.routes = [] if routes and self.cfg.text.n_moe else None
         self.cache = init_cache(self.cfg, rows=1)
         if enc is not None:
@@ -125,7 +126,7 @@ class _Sampler:
     """The reference's sampling of one request: token i uses key (seed, i)."""
 
     def __init__(self, model: Model, s: Settings):
-        self.P = model.programs
+        self.P = model.oracle_programs
         self.prog = self.P.sample if s.temperature > 0 else self.P.greedy
         self.samp = (np.full(1, s.temperature, np.float32), np.full(1, s.top_p, np.float32),
                      np.full(1, s.seed, _I32))
@@ -152,7 +153,7 @@ def _reason(model: Model, sess: _Session, h, lg, s: Settings, sample: _Sampler):
         chunks[-1].append(nxt)
         cv = None
         if nxt == tok.coord_id:
-            cv = float(model.programs.region_heads(model.params, h)[1][0])
+            cv = float(model.oracle_programs.region_heads(model.params, h)[1][0])
             coords[-1].append(cv)
         if not sess.room():
             finish = "length"
@@ -240,7 +241,7 @@ def generate_points(model: Model, enc: ImagePrefix, prompt: list[int], *, with_s
                     max_objects: int, trace: dict | None = None) -> dict:
     """detect (with_size) / point.  Returns {"objects": [...], "bins": [...],
     "finish_reason"}."""
-    cfg, P = model.cfg, model.programs
+    cfg, P = model.cfg, model.oracle_programs
     eos = cfg.tokenizer.eos_id
     sess = _Session(model, enc, routes=trace is not None)
     hid, h, lg = sess.prefill(prompt)
@@ -303,7 +304,7 @@ def generate_segment(model: Model, enc: ImagePrefix, prompt: list[int], s: Setti
             break
         kind, value = KIND_TOKEN, (0.0, 0.0)
         if nxt in (tok.coord_id, tok.size_id):
-            _, cv, _, sv = model.programs.region_heads(model.params, h)
+            _, cv, _, sv = model.oracle_programs.region_heads(model.params, h)
             kind, value = ((KIND_COORD, (float(cv[0]), 0.0)) if nxt == tok.coord_id
                            else (KIND_SIZE, tuple(float(v) for v in np.array(sv[0]))))
         ids.append(nxt)

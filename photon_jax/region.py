@@ -11,6 +11,7 @@ then cos/sin, each rounded to the model dtype.  Values (coordinates, sizes) are 
 import jax.numpy as jnp
 import numpy as np
 
+from .config import MoondreamConfig
 from .dtypes import F32, matmul_precision
 from .layers import layer_norm, linear, mlp
 
@@ -60,3 +61,13 @@ def coord_value(bin_N, n_bins: int):
 def size_value(bin_N, n_bins: int):
     """2 ** (bin / (n_bins - 1) * 10 - 10): a log scale from 2^-10 to 1, in float32."""
     return jnp.exp2(bin_N.astype(F32) / F32(n_bins - 1) * F32(10.0) - F32(10.0))
+
+
+def region_heads(params, hidden_RD, *, cfg: MoondreamConfig):
+    """Each row's coordinate bin and value, size bins [R, 2] and values [R, 2] (argmax bins)
+    from its hidden state, over the whole param dict."""
+    r = cfg.region
+    cbin = jnp.argmax(coord_logits(params["region"], hidden_RD), axis=-1).astype(jnp.int32)
+    sbin = jnp.argmax(size_logits(params["region"], hidden_RD), axis=-1).astype(jnp.int32)
+    return (cbin, coord_value(cbin, r.coord_out_dim), sbin,
+            size_value(sbin, r.size_out_dim // 2))

@@ -1,16 +1,20 @@
-"""The one place that calls `jax.jit`: every device program of the model, compiled per config.
+"""The one place that calls `jax.jit`: the device programs, compiled per config, and the
+serving glue they need (slots, pending buffers, the constraint table, unpacking `meta`).  The
+model itself is the model modules' (`text`, `vision`, `region`); this module wraps it.
 
-`build(cfg, attention)` returns a `Programs` bundle.  All functions take arrays positionally;
-static arguments are only shape buckets.  The KV pool (or cache) is donated into every call
-that writes it and handed back, so it is updated in place.
+Two bundles.  `build` gives the engine's `EnginePrograms`: `forward` (decode R rows into a
+slot), `prefill_slot` (prompt prefill into a slot), `sample_step` (constrained sampling of a
+slot's rows into the pending buffers), `image_kv` (an image's prefix K/V),
+`write_prefix_pages` / `copy_pages` (that prefix into pool pages, from its dense K/V or from
+the prefix cache's pages) and `ceiling`.  Forward and sample are separate so the constraint
+of step t+1 can be built on the host after step t is committed; `ceiling` scans forward +
+sample over precomputed per-step metadata inside one program: the device-only bound of the
+benchmark (a static trip count: no host round trip on any backend).  `build_oracle` gives the
+one-request path's `OraclePrograms` over a dense cache (`reference`, the parity tests).
 
-The engine's programs are `forward` (decode R rows into a slot), `prefill_slot` (prompt
-prefill into a slot), `sample_step` (constrained sampling of a slot's rows into the pending
-buffers), `write_prefix` / `copy_pages` (an image prefix into pool pages, from its dense K/V
-or from the prefix cache's pages): forward and sample are separate so the constraint of step
-t+1 can be built on the host after step t is committed.  `ceiling` scans forward + sample
-over precomputed per-step metadata inside one jitted program: the device-only bound of the
-benchmark (a static trip count: no host round trip on any backend).
+All programs take arrays positionally; static arguments are only shape buckets.  The KV pool
+(or cache) is donated into every call that writes it and handed back, so it is updated in
+place.
 
 `attention` selects the decode attention: "xla" (the in-place sweep of `kvpool`, every
 backend), "cpu-kernel" (our C++ paged-attention kernel through the XLA FFI: `cpukernel`),
@@ -18,7 +22,7 @@ backend), "cpu-kernel" (our C++ paged-attention kernel through the XLA FFI: `cpu
 paged-attention kernel), "pallas-tpu" (our Pallas TPU kernel, `tpu_attention`, over the
 pool's TPU layout) or "pallas-interpret" / "pallas-tpu-interpret" (the same kernels run by
 the Pallas interpreter: tests on CPU).  The GPU kernel's split count is a static argument of
-the decode programs, planned on the host per step (`Programs.decode_splits`).
+the decode programs, planned on the host per step (`EnginePrograms.decode_splits`).
 
 Input kinds of a decode row (`kind_R`): 0 = token id, 1 = coordinate value, 2 = size value.
 Detect/point feed region values back as embeddings, so one decode program serves text and
@@ -37,15 +41,15 @@ import jax.numpy as jnp
 
 import flax.struct
 
-from . import (constraints, cpukernel, gpu_attention, kvpool, region, sampling, text,
-               tpu_attention, vision)
+from . import (constraints, cpukernel, gpu_attention, kvpool, sampling, text, tpu_attention,
+               vision)
 from .config import MoondreamConfig
 from .dtypes import F32, jnp_dtype
 from .kvpool import DecodeAccess, KVPool, PrefillAccess
 from .layers import linear
 from .meta import (F_LAST, F_PREFIX, F_START, KIND_COORD, KIND_SIZE, KIND_TOKEN,
                    M_OFF, M_PAGE, M_POS, M_ROW, M_TABLE, P_COUNT, P_OWNER)
-from .text import DenseAccess
+from .region import region_heads
 
 # Rows of the per-step sampling array `samp_FR` (int32 [6 + A, R]), uploaded once per
 # finalize: the row's pending-buffer row, constraint id, token index, seed, temperature and
@@ -161,54 +165,6 @@ def init_pending(rows: int) -> Pending:
                    jnp.zeros((rows, 2), F32))
 
 
-def input_embeddings(params, cfg: MoondreamConfig, kind, token, value, rows: bool = False):
-    """[..., D] embeddings of inputs: a token, a coordinate, or a (w, h) size each (any
-    leading shape: decode rows, or prompt positions with spatial refs).  `rows`: one token
-    per row, [R] (a decode step: `text.embed_rows`)."""
-    dt = jnp_dtype(cfg.dtype)
-    embed = text.embed_rows if rows else text.embed_tokens
-    tok = embed(params["text"], token).astype(dt)
-    coord = region.encode_coordinate(params["region"], value[..., 0], dt)
-    size = region.encode_size(params["region"], value, dt)
-    k = kind[..., None]
-    return jnp.where(k == KIND_COORD, coord, jnp.where(k == KIND_SIZE, size, tok))
-
-
-def _encode_image(params, crops_u8, src, ph, pw, *, cfg, vision_loop=False):
-    dt = jnp_dtype(cfg.dtype)
-    feats = vision.encode_crops(params["vision"], crops_u8, cfg.vision, dt, vision_loop)
-    return feats, vision.project(params["vision"], feats, src, ph, pw)
-
-
-def _prefill(params, cache, embeds_RTD, pos_RT, rows_R, prefix_R, last_R, kv_len, *, cfg,
-             with_routes=False, grouped="blocks"):
-    """Dense-cache prefill (the one-request path).  `with_routes` (parity traces): also the
-    MoE routing at each row's last position, (ids, weights) each [Lm, R, k]."""
-    hidden, cache, routes = text.forward(params["text"], cfg.text, embeds_RTD, pos_RT, cache,
-                                         DenseAccess(rows_R, prefix_R, kv_len), grouped)
-    last = jnp.take_along_axis(hidden, last_R[:, None, None], axis=1)[:, 0]
-    out = (cache, hidden, last, text.logits(params["text"], last))
-    if not with_routes:
-        return out
-    at_last = jax.tree.map(lambda a: jnp.take_along_axis(a, last_R[None, :, None, None],
-                                                         axis=2)[:, :, 0], routes)
-    return (*out, at_last)
-
-
-def _decode(params, cache, kind_R, token_R, value_R2, pos_R, rows_R, prefix_R, kv_len, *, cfg,
-            with_routes=False, grouped="blocks"):
-    """Dense-cache decode (the one-request path).  `with_routes` (parity traces): also the
-    MoE routing, (ids, weights) each [Lm, R, k]."""
-    x = input_embeddings(params, cfg, kind_R, token_R, value_R2)[:, None]
-    hidden, cache, routes = text.forward(params["text"], cfg.text, x, pos_R[:, None], cache,
-                                         DenseAccess(rows_R, prefix_R, kv_len), grouped)
-    h = hidden[:, 0]
-    out = (cache, h, text.logits(params["text"], h))
-    if not with_routes:
-        return out
-    return (*out, jax.tree.map(lambda a: a[:, :, 0], routes))
-
-
 # Each decode attention's reader of the pool and whether it writes by scatter (`kvpool`).
 _READERS = {"xla": (kvpool.sweep_attend, False),
             "cpu-kernel": (kvpool.cpu_kernel_attend, False),
@@ -237,10 +193,10 @@ def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_
     """One decode step for R rows over the arenas given: inputs gathered on the device from
     the pending buffers by row (never through the host), logits and hidden into the slot.
     `dense`: the dense layers and LM head on `cpukernel.dense` (`default_dense`).  `splits`
-    (static): the GPU kernel's split count (`Programs.decode_splits`; 1 for the others)."""
+    (static): the GPU kernel's split count (`EnginePrograms.decode_splits`; 1 for the others)."""
     rows = meta_FR[M_ROW]
-    x = input_embeddings(params, cfg, pending.kind[rows], pending.token[rows],
-                         pending.value[rows], rows=True)[:, None]
+    x = text.input_embeddings(params, pending.kind[rows], pending.token[rows],
+                              pending.value[rows], cfg=cfg, rows=True)[:, None]
     product = cpukernel.linear if dense and x.shape[0] >= DENSE_MIN_ROWS else linear
     hidden, pool, _ = text.forward(params["text"], cfg.text, x, meta_FR[M_POS][:, None], pool,
                                    decode_access(meta_FR, pages_2P, attention=attention,
@@ -279,7 +235,7 @@ def _prefill_slot(params, pool: KVPool, slot: Slot, kinds_RT, ids_RT, values_RT2
     refs) embed their values."""
     t = ids_RT.shape[1]
     pos = pre_FR[F_START][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    emb = input_embeddings(params, cfg, kinds_RT, ids_RT, values_RT2)
+    emb = text.input_embeddings(params, kinds_RT, ids_RT, values_RT2, cfg=cfg)
     access = PrefillAccess(write_2RT[0], write_2RT[1], table_RM, pre_FR[F_PREFIX], tp=tp)
     hidden, pool, _ = text.forward(params["text"], cfg.text, emb, pos, pool, access, grouped,
                                    tp=tp)
@@ -322,7 +278,7 @@ def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, samp_FR, 
         is_coord = tables.coord_kind[cons] & (tok == tok_cfg.coord_id)
         is_size = tables.size_kind[cons] & (tok == tok_cfg.size_id)
         kind = jnp.where(is_coord, KIND_COORD, jnp.where(is_size, KIND_SIZE, KIND_TOKEN))
-        _, cval, _, sval = _region_heads(params, slot.hidden[:r], cfg=cfg)
+        _, cval, _, sval = region_heads(params, slot.hidden[:r], cfg=cfg)
         k = kind[:, None]
         value = jnp.where(k == KIND_COORD, jnp.stack([cval, jnp.zeros_like(cval)], -1),
                           jnp.where(k == KIND_SIZE, sval, zeros))
@@ -341,7 +297,7 @@ def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR,
     """The device-only ceiling: one decode + sample step per entry of the stacked per-step
     metadata, in one `lax.scan` (a static trip count), no host work between steps (token
     indices advance by one per step).  `splits` (static): the GPU kernel's split count for
-    every step (plan it from the last step's lengths: `Programs.decode_splits`)."""
+    every step (plan it from the last step's lengths: `EnginePrograms.decode_splits`)."""
     def body(carry, step):
         pool, slot, pending, i = carry
         meta, pages = step
@@ -355,49 +311,6 @@ def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR,
     (pool, slot, pending, _), _ = jax.lax.scan(body, (pool, slot, pending, jnp.int32(0)),
                                                (metas_NFR, pages_N2P))
     return pool, slot, pending
-
-
-def _embed_prompt(params, kinds_RT, ids_RT, values_RT2, *, cfg):
-    return input_embeddings(params, cfg, kinds_RT, ids_RT, values_RT2)
-
-
-def _image_prefix(params, img_emb_PD, *, cfg):
-    """[1, 1 + P, D]: BOS embedding then the image embeddings."""
-    bos = text.embed_tokens(params["text"], jnp.array([cfg.tokenizer.bos_id]))
-    return jnp.concatenate([bos.astype(img_emb_PD.dtype), img_emb_PD], axis=0)[None]
-
-
-def _region_heads(params, hidden_RD, *, cfg):
-    """Coordinate bin/value and size bins/values for each row's hidden state."""
-    r = cfg.region
-    cl = region.coord_logits(params["region"], hidden_RD)
-    cbin = jnp.argmax(cl, axis=-1).astype(jnp.int32)
-    sl = region.size_logits(params["region"], hidden_RD)
-    sbin = jnp.argmax(sl, axis=-1).astype(jnp.int32)
-    return (cbin, region.coord_value(cbin, r.coord_out_dim), sbin,
-            region.size_value(sbin, r.size_out_dim // 2))
-
-
-def _image_kv(params, crops_u8, src, ph, pw, *, cfg, grouped="blocks", vision_loop=False,
-              tp=None):
-    """An image's prefix KV ([L, 730, K, H] each): encode, project, and prefill BOS + image
-    tokens (bidirectional) in a one-row cache of exactly the prefix length."""
-    n = cfg.prefix_len
-    _, emb = _encode_image(params, crops_u8, src, ph, pw, cfg=cfg, vision_loop=vision_loop)
-    cache = text.init_cache(cfg, rows=1, length=n)
-    pos = jnp.arange(n, dtype=jnp.int32)[None]
-    zero, full = jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32)
-    _, cache, _ = text.forward(params["text"], cfg.text, _image_prefix(params, emb, cfg=cfg),
-                               pos, cache, DenseAccess(zero, full, n), grouped, tp=tp)
-    return cache.k[:, 0], cache.v[:, 0]
-
-
-def _write_prefix(cache, k_LPKH, v_LPKH, row):
-    """An image prefix into row `row` of a dense cache (the one-request path)."""
-    n = k_LPKH.shape[1]
-    k = cache.k.at[:, row, :n].set(k_LPKH)
-    v = cache.v.at[:, row, :n].set(v_LPKH)
-    return text.KVCache(k, v)
 
 
 def _write_prefix_pages(pool: KVPool, k_LSKH, v_LSKH, page_S, off_S, *, tp=None) -> KVPool:
@@ -430,10 +343,12 @@ def _copy_pages(pool: KVPool, src_N, dst_N, *, tp=None, kv_heads: int = 0) -> KV
 
 
 @dataclass(frozen=True)
-class Programs:
+class OraclePrograms:
+    """The one-request path's programs over a dense `text.KVCache` (`reference`, the parity
+    and invariant tests).  Its image prefix is the engine's `image_kv`, so both paths start
+    from the same K/V."""
     cfg: MoondreamConfig
-    encode_image: Callable
-    image_kv: Callable
+    encode_image: Callable    # -> (patch features, image embeddings): parity traces
     prefill: Callable
     decode: Callable
     # prefill / decode that also return the MoE routing (parity traces of Moondream 3).
@@ -441,10 +356,16 @@ class Programs:
     decode_routes: Callable
     embed_prompt: Callable
     region_heads: Callable
-    sample: Callable          # the one-request path's sampling (all variants)
+    sample: Callable          # all variants, picked by argument
     greedy: Callable
     write_prefix: Callable
-    # The engine's programs (slot, pending buffers and KV pool are donated).
+
+
+@dataclass(frozen=True)
+class EnginePrograms:
+    """The serving engine's programs (the slot, pending buffers and KV pool are donated)."""
+    cfg: MoondreamConfig
+    image_kv: Callable
     write_prefix_pages: Callable
     copy_pages: Callable
     # forward(params, pool, slot, pending, meta, pages, splits=1): `splits` is static, one
@@ -523,16 +444,14 @@ def default_grouped(platform: str) -> str:
 
 def build(cfg: MoondreamConfig, attention: str = "xla",
           candidates: int = sampling.DEFAULT_CANDIDATES, grouped: str = "blocks",
-          vision_loop: bool = False, dense: bool | None = None, tp=None) -> Programs:
-    """The jitted programs of one config.  Cached per (config, attention, candidates,
-    grouped, vision_loop) (configs are frozen and hashable), so loading the same model again
-    -- on another device, in another engine -- reuses the compiled executables instead of
-    tracing and compiling anew.  `candidates`: the top-p candidate cap (`sampling`);
-    `grouped`: the MoE prefill schedule (`moe.schedule`); `vision_loop`: the vision
-    attention's formulation (`default_vision_loop`); `dense`: decode's dense layers on the
-    CPU kernel (None: `default_dense`); `tp`: the engine's programs (forward, prefill,
-    prefix writes and copies, the image prefix) split over a mesh
-    (`sharding.TensorParallel`); the one-request programs stay on one device's layout."""
+          vision_loop: bool = False, dense: bool | None = None, tp=None) -> EnginePrograms:
+    """The engine's jitted programs of one config.  Cached per argument (configs are frozen
+    and hashable), so loading the same model again -- on another device, in another engine
+    -- reuses the compiled executables instead of tracing and compiling anew.
+    `candidates`: the top-p candidate cap (`sampling`); `grouped`: the MoE prefill schedule
+    (`moe.schedule`); `vision_loop`: the vision attention's formulation
+    (`default_vision_loop`); `dense`: decode's dense layers on the CPU kernel (None:
+    `default_dense`); `tp`: the programs split over a mesh (`sharding.TensorParallel`)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
     if attention == "cpu-kernel":
@@ -546,6 +465,28 @@ def build(cfg: MoondreamConfig, attention: str = "xla",
         raise ValueError("dense=True needs attention='cpu-kernel', float32 and a CPU with "
                          "AVX2 and FMA (`default_dense`)")
     return _build(cfg, attention, candidates, grouped, vision_loop, dense, tp)
+
+
+@lru_cache(maxsize=16)
+def build_oracle(cfg: MoondreamConfig, candidates: int = sampling.DEFAULT_CANDIDATES,
+                 grouped: str = "blocks", vision_loop: bool = False) -> OraclePrograms:
+    """The one-request path's jitted programs of one config (cached as `build`'s), on one
+    device's layout."""
+    g = {"cfg": cfg, "grouped": grouped}
+    return OraclePrograms(
+        cfg=cfg,
+        encode_image=jax.jit(partial(vision.encode_image, cfg=cfg, vision_loop=vision_loop)),
+        prefill=jax.jit(partial(text.prefill, **g), static_argnums=(7,), donate_argnums=(1,)),
+        decode=jax.jit(partial(text.decode, **g), static_argnums=(8,), donate_argnums=(1,)),
+        prefill_routes=jax.jit(partial(text.prefill, with_routes=True, **g),
+                               static_argnums=(7,), donate_argnums=(1,)),
+        decode_routes=jax.jit(partial(text.decode, with_routes=True, **g),
+                              static_argnums=(8,), donate_argnums=(1,)),
+        embed_prompt=jax.jit(partial(text.input_embeddings, cfg=cfg)),
+        region_heads=jax.jit(partial(region_heads, cfg=cfg)),
+        sample=jax.jit(partial(sampling.sample, candidates=candidates)),
+        greedy=jax.jit(partial(sampling.sample, stochastic=False)),
+        write_prefix=jax.jit(text.write_prefix, donate_argnums=(0,)))
 
 
 @dataclass(frozen=True)
@@ -600,37 +541,30 @@ def choose(cfg: MoondreamConfig, platform: str, attention: str | None = None,
 
 
 def build_for(cfg: MoondreamConfig, platform: "str | Platform", attention: str | None = None,
-              tp=None) -> Programs:
-    """The programs a device of `platform` ("cpu", "gpu", ..., or its `Platform` record)
-    gets: its default attention (or `attention`), MoE prefill schedule and vision attention
-    (`choose`).  What
-    `Model` builds; the GPU tests and `bench/gpu_compile.py` build a GPU's this way too.
-    `tp`: the engine's programs over a mesh (`sharding.TensorParallel`)."""
+              tp=None) -> EnginePrograms:
+    """The engine's programs a device of `platform` ("cpu", "gpu", ..., or its `Platform`
+    record) gets: its default attention (or `attention`), MoE prefill schedule and vision
+    attention (`choose`).  What `Model` builds; the GPU tests and `bench/gpu_compile.py`
+    build a GPU's this way too.  `tp`: over a mesh (`sharding.TensorParallel`)."""
     rec = platform if isinstance(platform, Platform) else choose(cfg, platform, attention)
     return build(cfg, rec.attention, grouped=rec.grouped, vision_loop=rec.vision_loop,
                  dense=rec.dense, tp=tp)
 
 
+def oracle_for(cfg: MoondreamConfig, platform: "str | Platform") -> OraclePrograms:
+    """The one-request path's programs on `platform` (its MoE prefill schedule and vision
+    attention, as `build_for`'s)."""
+    rec = platform if isinstance(platform, Platform) else choose(cfg, platform)
+    return build_oracle(cfg, grouped=rec.grouped, vision_loop=rec.vision_loop)
+
+
 @lru_cache(maxsize=16)
-def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp) -> Programs:
+def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp) -> EnginePrograms:
     c = {"cfg": cfg}
-    g = {"cfg": cfg, "grouped": grouped}   # programs with a text forward (MoE schedules)
-    e = {**g, "tp": tp}                    # the engine's, split over a mesh with `tp`
-    return Programs(
+    e = {"cfg": cfg, "grouped": grouped, "tp": tp}
+    return EnginePrograms(
         cfg=cfg,
-        encode_image=jax.jit(partial(_encode_image, vision_loop=vision_loop, **c)),
-        image_kv=jax.jit(partial(_image_kv, vision_loop=vision_loop, **e)),
-        prefill=jax.jit(partial(_prefill, **g), static_argnums=(7,), donate_argnums=(1,)),
-        decode=jax.jit(partial(_decode, **g), static_argnums=(8,), donate_argnums=(1,)),
-        prefill_routes=jax.jit(partial(_prefill, with_routes=True, **g), static_argnums=(7,),
-                               donate_argnums=(1,)),
-        decode_routes=jax.jit(partial(_decode, with_routes=True, **g), static_argnums=(8,),
-                              donate_argnums=(1,)),
-        embed_prompt=jax.jit(partial(_embed_prompt, **c)),
-        region_heads=jax.jit(partial(_region_heads, **c)),
-        sample=jax.jit(partial(sampling.sample, candidates=candidates)),
-        greedy=jax.jit(partial(sampling.sample, stochastic=False)),
-        write_prefix=jax.jit(_write_prefix, donate_argnums=(0,)),
+        image_kv=jax.jit(partial(text.image_kv, vision_loop=vision_loop, **e)),
         write_prefix_pages=jax.jit(partial(_write_prefix_pages, tp=tp), donate_argnums=(0,)),
         copy_pages=jax.jit(partial(_copy_pages, tp=tp, kv_heads=cfg.text.n_kv_heads),
                            donate_argnums=(0,)),

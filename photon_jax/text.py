@@ -12,6 +12,10 @@ many, over a dense cache or the engine's paged pool (the `access` object says wh
 and what each row attends).  The mask is built from positions, so rows never see each other
 and a row's result does not depend on what else is in the batch.
 
+The model's entry points (`input_embeddings`, `image_prefix`, `image_kv`, the dense-cache
+`prefill` / `decode` of the one-request path, `write_prefix`) take the whole param dict and
+the `MoondreamConfig` (keyword `cfg`); `step` jits them, `functional` calls them.
+
 Dense cache layout: [L, R, S, K, H] (layers, cache rows, positions, kv heads, head dim).  K
 is stored post-RoPE in the reference's interleaved order (rotated pairs (j, j+16) written to
 dims 2j, 2j+1), so a cache can be compared with the reference's directly.
@@ -22,11 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import moe
+from . import moe, region, vision
 from .config import MoondreamConfig, TextConfig
 from .dtypes import F32, jnp_dtype, matmul_precision
 from .kvpool import attention_mask
 from .layers import attention, layer_norm, linear, mlp
+from .meta import KIND_COORD, KIND_SIZE
 
 
 @flax.struct.dataclass
@@ -241,3 +246,73 @@ def embed_rows(pt, ids_R):
     w = pt["wte"]
     return jnp.concatenate([jax.lax.dynamic_slice_in_dim(w, ids_R[i], 1)
                             for i in range(ids_R.shape[0])])
+
+
+def input_embeddings(params, kind, token, value, *, cfg: MoondreamConfig, rows: bool = False):
+    """[..., D] embeddings of inputs: a token, a coordinate, or a (w, h) size each (any
+    leading shape: decode rows, or prompt positions with spatial refs).  `rows`: one token
+    per row, [R] (a decode step: `embed_rows`)."""
+    dt = jnp_dtype(cfg.dtype)
+    embed = embed_rows if rows else embed_tokens
+    tok = embed(params["text"], token).astype(dt)
+    coord = region.encode_coordinate(params["region"], value[..., 0], dt)
+    size = region.encode_size(params["region"], value, dt)
+    k = kind[..., None]
+    return jnp.where(k == KIND_COORD, coord, jnp.where(k == KIND_SIZE, size, tok))
+
+
+def image_prefix(params, img_emb_PD, *, cfg: MoondreamConfig):
+    """[1, 1 + P, D]: BOS embedding then the image embeddings."""
+    bos = embed_tokens(params["text"], jnp.array([cfg.tokenizer.bos_id]))
+    return jnp.concatenate([bos.astype(img_emb_PD.dtype), img_emb_PD], axis=0)[None]
+
+
+def image_kv(params, crops_u8, src, ph, pw, *, cfg: MoondreamConfig, grouped="blocks",
+             vision_loop=False, tp=None):
+    """An image's prefix KV ([L, 730, K, H] each): encode, project, and prefill BOS + image
+    tokens (bidirectional) in a one-row cache of exactly the prefix length."""
+    n = cfg.prefix_len
+    _, emb = vision.encode_image(params, crops_u8, src, ph, pw, cfg=cfg, vision_loop=vision_loop)
+    cache = init_cache(cfg, rows=1, length=n)
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    zero, full = jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32)
+    _, cache, _ = forward(params["text"], cfg.text, image_prefix(params, emb, cfg=cfg),
+                          pos, cache, DenseAccess(zero, full, n), grouped, tp=tp)
+    return cache.k[:, 0], cache.v[:, 0]
+
+
+def prefill(params, cache, embeds_RTD, pos_RT, rows_R, prefix_R, last_R, kv_len, *,
+            cfg: MoondreamConfig, with_routes=False, grouped="blocks"):
+    """Dense-cache prefill (the one-request path) -> (cache, hidden, last hidden, logits).
+    `with_routes` (parity traces): also the MoE routing at each row's last position,
+    (ids, weights) each [Lm, R, k]."""
+    hidden, cache, routes = forward(params["text"], cfg.text, embeds_RTD, pos_RT, cache,
+                                    DenseAccess(rows_R, prefix_R, kv_len), grouped)
+    last = jnp.take_along_axis(hidden, last_R[:, None, None], axis=1)[:, 0]
+    out = (cache, hidden, last, logits(params["text"], last))
+    if not with_routes:
+        return out
+    at_last = jax.tree.map(lambda a: jnp.take_along_axis(a, last_R[None, :, None, None],
+                                                         axis=2)[:, :, 0], routes)
+    return (*out, at_last)
+
+
+def decode(params, cache, kind_R, token_R, value_R2, pos_R, rows_R, prefix_R, kv_len, *,
+           cfg: MoondreamConfig, with_routes=False, grouped="blocks"):
+    """Dense-cache decode of one input per row (the one-request path) -> (cache, hidden,
+    logits).  `with_routes` (parity traces): also the MoE routing, (ids, weights) each
+    [Lm, R, k]."""
+    x = input_embeddings(params, kind_R, token_R, value_R2, cfg=cfg)[:, None]
+    hidden, cache, routes = forward(params["text"], cfg.text, x, pos_R[:, None], cache,
+                                    DenseAccess(rows_R, prefix_R, kv_len), grouped)
+    h = hidden[:, 0]
+    out = (cache, h, logits(params["text"], h))
+    if not with_routes:
+        return out
+    return (*out, jax.tree.map(lambda a: a[:, :, 0], routes))
+
+
+def write_prefix(cache: KVCache, k_LPKH, v_LPKH, row) -> KVCache:
+    """An image prefix into row `row` of a dense cache (the one-request path)."""
+    n = k_LPKH.shape[1]
+    return KVCache(cache.k.at[:, row, :n].set(k_LPKH), cache.v.at[:, row, :n].set(v_LPKH))

@@ -4,13 +4,14 @@ Pure functions over the `params["vision"]` subtree.  `encode_crops` maps uint8 c
 patch features; `project` stitches the local tiles' features, average-pools them to the patch
 grid, concatenates them after the global crop's features and runs the projection MLP.  The
 stitch/pool operands come from `photon_jax.image.pool_operands` (host side, per tiling).
+`encode_image` runs both over the whole param dict (what `step` jits).
 """
 
 import jax
 import jax.numpy as jnp
 
-from .config import VisionConfig
-from .dtypes import F32, matmul_precision
+from .config import MoondreamConfig, VisionConfig
+from .dtypes import F32, jnp_dtype, matmul_precision
 from .image import pixel_lut
 from .layers import attention, layer_norm, linear, mlp
 
@@ -104,3 +105,12 @@ def project(pv, feats_CPE, src_HW, ph_GH, pw_GW):
     pooled = pooled.reshape(-1, e).astype(dtype)
     feats = jnp.concatenate([feats_CPE[0], pooled], axis=-1)
     return mlp(feats, pv["proj_mlp"])
+
+
+def encode_image(params, crops_u8, src_HW, ph_GH, pw_GW, *, cfg: MoondreamConfig,
+                 vision_loop: bool = False):
+    """Crops -> (patch features [C, patches, enc_dim], image embeddings [patches, D]) in the
+    model dtype.  `vision_loop`: as `encode_crops`'s `loop`."""
+    dt = jnp_dtype(cfg.dtype)
+    feats = encode_crops(params["vision"], crops_u8, cfg.vision, dt, vision_loop)
+    return feats, project(params["vision"], feats, src_HW, ph_GH, pw_GW)

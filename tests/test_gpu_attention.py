@@ -153,7 +153,7 @@ def test_the_plan_follows_rows_heads_lengths_and_sms():
 
 def test_every_planned_split_is_one_the_engine_compiled():
     """Whatever the lengths, the plan of a step of n real rows is among the variants its
-    row bucket is warmed up for (`Programs.split_variants`), which stay few (Moondream 2,
+    row bucket is warmed up for (`EnginePrograms.split_variants`), which stay few (Moondream 2,
     batch up to 32: 16 forward programs over the 6 buckets); other attentions take 1."""
     cfg = moondream2()
     total = 0

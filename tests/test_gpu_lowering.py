@@ -56,10 +56,11 @@ def _abstract(x):
 
 
 class Recorder:
-    """Wraps a model's programs: each call is recorded once per distinct argument
-    signature, as (program name, abstract arguments), then run."""
+    """Wraps a bundle of programs (`step.EnginePrograms` or `step.OraclePrograms`): each
+    call is recorded once per distinct argument signature, as (program name, abstract
+    arguments), then run."""
 
-    def __init__(self, programs: step_mod.Programs, calls: dict | None = None):
+    def __init__(self, programs, calls: dict | None = None):
         self.calls: dict = {} if calls is None else calls
         self._lock = threading.Lock()
         wrapped = {}
@@ -81,13 +82,15 @@ class Recorder:
         return call
 
 
-def lower_recorded(calls, programs: step_mod.Programs) -> dict:
+def lower_recorded(calls, *bundles) -> dict:
     """{program name: number of Pallas kernel calls in its CUDA lowering}, over every
-    recorded signature (the counts of one name are summed)."""
+    recorded signature (the counts of one name are summed); each name is looked up in the
+    bundle that has it (the two bundles' names differ)."""
     out: dict = {}
     for name, args in calls.values():
-        fn = (getattr(programs, name[0])[name[1]] if isinstance(name, tuple)
-              else getattr(programs, name))
+        field = name[0] if isinstance(name, tuple) else name
+        fn = getattr(next(b for b in bundles if hasattr(b, field)), field)
+        fn = fn[name[1]] if isinstance(name, tuple) else fn
         label = name if isinstance(name, str) else f"{name[0]}{name[1]}"
         out[label] = out.get(label, 0) + lower_for_cuda(fn, args).count(TRITON)
     return out
@@ -133,6 +136,7 @@ def check_engine_on_gpu_programs(base: Model, n_requests: int):
     rec = Recorder(model.programs)
     model.programs = rec.programs
     base.programs = Recorder(base.programs, rec.calls).programs
+    base.oracle_programs = Recorder(base.oracle_programs, rec.calls).programs
     reqs = requests_for(model)[:n_requests]
     got = run_workload(model, reqs)
     for req, out in zip(reqs, got):
@@ -151,7 +155,8 @@ def check_engine_on_gpu_programs(base: Model, n_requests: int):
     dispatched = {n if isinstance(n, str) else n[0] for n, _ in rec.calls.values()}
     assert {"image_kv", "write_prefix_pages", "copy_pages", "prefill_slot", "forward",
             "sample_step", "prefill", "decode"} <= dispatched, dispatched
-    lowered = lower_recorded(rec.calls, step_mod.build_for(model.cfg, "gpu"))
+    lowered = lower_recorded(rec.calls, step_mod.build_for(model.cfg, "gpu"),
+                             step_mod.oracle_for(model.cfg, "gpu"))
     # Decode attention is the Pallas kernel (one kernel, called from every layer); nothing
     # else is.
     assert lowered["forward"] >= 1, lowered

@@ -34,7 +34,7 @@ def small_cfg(n_heads, n_kv_heads, layers=2):
 def setup(request):
     cfg = small_cfg(*request.param)
     params = init_params(jax.random.PRNGKey(7), cfg)
-    return cfg, params, step.build(cfg)
+    return cfg, params, step.build_oracle(cfg)
 
 
 def test_prefill_then_decode_equals_full_forward(setup):
@@ -152,7 +152,7 @@ def test_full_size_programs_have_the_right_shapes():
     """The real Moondream 2 shapes through the image and text programs, without allocating."""
     cfg = C.moondream2()
     params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), cfg))
-    P = step.build(cfg)
+    P = step.build_oracle(cfg)
     n_crops, tiling = 9, (2, 4)
     from photon_jax.image import pool_operands
 

@@ -88,7 +88,7 @@ def md3(md3_ckpt):
     from photon_jax.model import Model
 
     m = Model.load(md3_ckpt)
-    return m.cfg, m.params, m.programs
+    return m.cfg, m.params, m.oracle_programs
 
 
 def test_cached_prefill_and_decode_equal_uncached_forward(md3):
@@ -182,7 +182,7 @@ def test_full_size_moondream3_shapes():
     assert "model.text.blocks.4.mlp.fc1.bias" not in hf
     assert "model.region.coord_decoder.fc1.weight" not in hf
     params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), cfg))
-    P = step.build(cfg)
+    P = step.build_oracle(cfg)
     cache = jax.eval_shape(lambda: text.init_cache(cfg, rows=2, length=4096))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     out = jax.eval_shape(P.decode, params, cache, i32(2), i32(2),
