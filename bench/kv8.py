@@ -10,6 +10,7 @@ tokens, so its logits differ only by the cache.  Reported per format: top-1 agre
 the steps and max |logit error| / (max - min of the reference logits at that step).
 
     python bench/kv8.py --config small_v27 --steps 48
+    python bench/kv8.py --config md2 --dtype float32 --steps 24     # full size, ~10 GB of RAM
 
 `teacher_force` and `fidelity` are also what tests/test_kv8.py bounds on the tiny model.
 """
@@ -109,14 +110,17 @@ def main():
     ap.add_argument("--config", default="small_v27", choices=sorted(common.CONFIGS))
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--attention", default=None, help="decode attention (default: the backend's)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                    help="the model's compute dtype (default: the config's; float32 for the "
+                         "full-size configs on a CPU, which has no fast bfloat16 products)")
     args = ap.parse_args()
-    model = common.build_model(args.config)
+    model = common.build_model(args.config, dtype=args.dtype)
     if args.attention:
         from photon_jax.model import Model
         model = Model(model.cfg, model.params, model.prompts.tok, attention=args.attention)
     t0 = time.perf_counter()
     res = measure(model, args.steps)
-    res["config"] = args.config
+    res["config"], res["dtype"] = args.config, model.cfg.dtype
     res["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(res, indent=1))
 
