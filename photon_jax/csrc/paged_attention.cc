@@ -369,7 +369,9 @@ inline float Sum8(F8 x) {
 // rounded to nearest by the 1.5 * 2^23 shift (exact for |n| < 2^22), so it vectorizes.
 inline F8 Exp8(F8 x) {
   const float lo = -87.3365f;
-  const F8 xc = x < lo ? lo : x;
+  const I8 below = (I8)(x < lo);  // all ones where x < lo (bitwise selects: no vector ?:,
+                                  // which not every compiler takes)
+  const F8 xc = (F8)((below & (I8)(F8{} + lo)) | (~below & (I8)x));
   const float shift = 12582912.0f;  // 1.5 * 2^23
   const F8 n = (xc * 1.44269504088896341f + shift) - shift;
   F8 r = xc - n * 0.693359375f;
@@ -382,7 +384,7 @@ inline F8 Exp8(F8 x) {
   y = y * r + 5.0000001201e-1f;
   y = y * (r * r) + r + 1.0f;
   const F8 two_n = (F8)((__builtin_convertvector(n, I8) + 127) << 23);
-  return x < lo ? 0.0f * y : y * two_n;
+  return (F8)(~below & (I8)(y * two_n));
 }
 
 // o[0:C*8] += sum over t < n of p[t] * v_t[0:C*8] (v_t = vp + t * h), in position order,
