@@ -28,7 +28,7 @@ images_per_s and tokens_per_s are the CLI's own `Summary` (from the first submis
 last write, model load excluded); wall_s is the whole call.  Random weights rarely emit EOS,
 so nearly every caption is max_tokens long and every configuration does the same work.
 
-The default config, "small_v27", is the text model of `pipeline.py`'s "small" (width 512, 4
+The default config, "small_v27", is the text model of `inflight.py`'s "small" (width 512, 4
 layers) with the fixture's 27-layer vision tower: the public reference needs 27 vision layers
 (it uses the layer count as the patch grid side), so this is the model it can run too
 (`bench/reference_caption.py`).

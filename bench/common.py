@@ -207,7 +207,7 @@ def decode_metas(model, batch: int, first: int, steps: int, plan, owners: bool =
     kernels)."""
     import numpy as np
 
-    from photon_jax.meta import pack_decode
+    from photon_jax.stepmeta import pack_decode
     from photon_jax.pages import pages_for
 
     page = plan.page_size
@@ -235,7 +235,7 @@ def device_state(model, batch: int, steps: int, page_size: int = 64,
     import jax
     import numpy as np
 
-    from photon_jax import constraints, meta as M, step as step_mod
+    from photon_jax import constraints, stepmeta as M, step as step_mod
 
     cfg = model.cfg
     plan = memory_plan(model, batch, page_size, positions=start(model, prompt_tokens) + steps)

@@ -152,7 +152,7 @@ def decode_args(cfg, batch: int, page: int, free: int | None, kv_cache_tokens=No
     import jax
     import jax.numpy as jnp
 
-    from photon_jax import memory, meta as M, step as step_mod
+    from photon_jax import memory, stepmeta as M, step as step_mod
     from photon_jax.params import abstract_params
     from photon_jax.text import unstack_layers
 
@@ -180,7 +180,7 @@ def program_rows(device, batch: int, models):
     import numpy as np
 
     from common import CONFIGS
-    from photon_jax import meta as M, step as step_mod
+    from photon_jax import stepmeta as M, step as step_mod
 
     page = 64
     for name in models:
@@ -237,7 +237,7 @@ def image_rows(P, params, cfg, device, info):
     import numpy as np
     from PIL import Image
 
-    from photon_jax import image as image_mod
+    from photon_jax import pixels as image_mod
 
     rgb = Image.fromarray(np.zeros((900, 1200, 3), np.uint8))
     crops = image_mod.make_crops(rgb, cfg.vision)

@@ -18,7 +18,7 @@ step (every layer: write the new position, attend) for each formulation, one JSO
 
 Keys: ms (median of --reps timed calls), bytes_accessed (XLA's cost analysis of the compiled
 program), attended_kv_bytes (what the rows attend, K and V, every layer) and their ratio.
-The config is `pipeline.py`'s "small" (4 layers, 8 kv heads of 64); every row decodes
+The config is `inflight.py`'s "small" (4 layers, 8 kv heads of 64); every row decodes
 position --position.
 
     python bench/kv.py                       # batches 1 8 32, page sizes 16 32 64 128
@@ -43,7 +43,7 @@ def formulations(cfg, batch: int, position: int, page: int):
     import jax.numpy as jnp
     import numpy as np
 
-    from photon_jax import kvpool, meta as M
+    from photon_jax import kvpool, stepmeta as M
     from photon_jax.layers import attention
     from photon_jax.pages import pages_for
 

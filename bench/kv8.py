@@ -38,7 +38,7 @@ def teacher_force(model, kv_dtype, tokens, enc=None, greedy_steps: int = 0, page
     import jax.numpy as jnp
     import numpy as np
 
-    from photon_jax import meta as M, reference, step as step_mod
+    from photon_jax import stepmeta as M, reference, step as step_mod
     from photon_jax.pages import pages_for
 
     cfg, prog = model.cfg, model.programs

@@ -171,7 +171,7 @@ def serving_args(cfg, batch: int, chip: str | None, kv_cache_tokens=None,
     import jax
     import jax.numpy as jnp
 
-    from photon_jax import memory, meta as M, step as step_mod
+    from photon_jax import memory, stepmeta as M, step as step_mod
     from photon_jax.params import abstract_params
     from photon_jax.text import unstack_layers
 
@@ -199,7 +199,7 @@ def program_calls(cfg, a: dict, batch: int, grouped: str | None = None, tp=None)
     import numpy as np
     from PIL import Image
 
-    from photon_jax import image as image_mod, meta as M, step as step_mod
+    from photon_jax import pixels as image_mod, stepmeta as M, step as step_mod
 
     mesh = {"tp": tp} if tp is not None else {}
     P = step_mod.build_for(cfg, "tpu", ATTENTION, **mesh)

@@ -25,7 +25,7 @@ cached prefix pages in place (the kernels; the XLA sweep copies them) instead of
 vision encoder and the prefix prefill.
 
 Invariants the tests check: at most two steps in flight; a slot is donated again only after
-the commit that read it finished (`pipeline.PipelineState`); a row and its pages are reused
+the commit that read it finished (`inflight.PipelineState`); a row and its pages are reused
 only after the last step containing it was committed (`inflight_refs`); length caps are
 predicted at dispatch so they make no zombie; the launch path never syncs with the device
 (`hostsync`); every page is free again after `close()`.
@@ -47,12 +47,12 @@ import numpy as np
 import PIL.Image
 
 from . import constraints, frontend, hostsync, kvpool, memory, skills, step as step_mod
-from .image import pil_pixels
+from .pixels import pil_pixels
 from .frontend import EncodedImage, ImagePrefix, PreparedImage
-from .meta import pack_decode, pack_prefill
+from .stepmeta import pack_decode, pack_prefill
 from .model import Model
 from .pages import pages_for
-from .pipeline import PipelineState
+from .inflight import PipelineState
 from .request import EngineError, Handle, Request, RequestError
 from .scheduler import Outbox, Scheduler, Seq
 from .tokenizer import region_inputs
@@ -60,7 +60,7 @@ from .tokenizer import region_inputs
 _I32 = np.int32
 
 
-class StepRecord(NamedTuple):
+class StepTiming(NamedTuple):
     """One committed step in `Engine.step_log`: host seconds spent in launch, finalize and
     commit (commit excludes the wait for the host copy), that wait, and the step's start
     and end times (perf_counter)."""
@@ -74,7 +74,7 @@ class StepRecord(NamedTuple):
     t_end: float
 
 
-class _Step:
+class _InFlightStep:
     __slots__ = ("kind", "slot", "seqs", "index", "meta", "out", "t_launch", "t_finalize",
                  "t0")
 
@@ -140,7 +140,7 @@ class Engine:
                                prefill_tokens=prefill_tokens, prefix_cache=prefix_cache,
                                record_events=record_events, share_prefix=plat.shares_prefix)
         self.pipe = PipelineState()
-        self.steps_log: collections.deque[StepRecord] = collections.deque(maxlen=log_steps)
+        self.steps_log: collections.deque[StepTiming] = collections.deque(maxlen=log_steps)
         self.counters = collections.Counter()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._unpins: queue.SimpleQueue = queue.SimpleQueue()
@@ -545,7 +545,7 @@ class Engine:
             dev.pool, dev.slots[slot] = P.prefill_slot(params, dev.pool, dev.slots[slot],
                                                        put(kinds), put(ids), put(values),
                                                        meta_d, put(write), put(table))
-        st = _Step("prefill", slot, batch, [0] * n, meta_d)
+        st = _InFlightStep("prefill", slot, batch, [0] * n, meta_d)
         st.t0, st.t_launch = t0, time.perf_counter() - t0
         self.pipe.on_launch(st)
 
@@ -569,7 +569,7 @@ class Engine:
                 meta_d, jax.device_put(pages, self.placement), splits)
             dev.pool = dev.pool.merge(part)
         self.sched.start_decode(rows)
-        st = _Step("decode", slot, rows, index, meta_d)
+        st = _InFlightStep("decode", slot, rows, index, meta_d)
         st.t0, st.t_launch = t0, time.perf_counter() - t0
         self.pipe.on_launch(st)
 
@@ -644,7 +644,7 @@ class Engine:
         self.pipe.on_step_completed()
         t2 = time.perf_counter()
         self.counters[st.kind] += 1
-        self.steps_log.append(StepRecord(st.kind, len(st.seqs), st.t_launch, st.t_finalize,
+        self.steps_log.append(StepTiming(st.kind, len(st.seqs), st.t_launch, st.t_finalize,
                                          t2 - t1, t1 - t0, st.t0, t2))
         self.sched.flush_outbox()
 

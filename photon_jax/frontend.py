@@ -21,7 +21,7 @@ from typing import Container
 import jax
 import numpy as np
 
-from . import image as image_mod
+from . import pixels as image_mod
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import image, region, sampling, text, vision
+from . import pixels as image, region, sampling, text, vision
 from .config import MoondreamConfig
 from .dtypes import jnp_dtype
 from .text import KVCache

@@ -158,7 +158,7 @@ def dequantize(codes, scale):
 @flax.struct.dataclass
 class KVPool:
     """k[l][a], v[l][a]: [K, Pa, T, H] arrays, per layer l and arena a (arenas may differ in
-    size: `meta.Arenas`).  8-bit pools also hold ks[l][a], vs[l][a]: [K, Pa, T] float32
+    size: `stepmeta.Arenas`).  8-bit pools also hold ks[l][a], vs[l][a]: [K, Pa, T] float32
     scales (empty tuples when unquantized)."""
     k: tuple
     v: tuple

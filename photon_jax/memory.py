@@ -31,7 +31,7 @@ import numpy as np
 
 from .config import MoondreamConfig
 from .dtypes import canonical
-from .meta import Arenas
+from .stepmeta import Arenas
 from .pages import pages_for
 
 GiB = 1 << 30

@@ -23,7 +23,7 @@ from .model import Model
 from .settings import Settings
 from . import constraints
 from .skills import box, parse_segment, reasoning_result
-from .meta import KIND_COORD, KIND_SIZE, KIND_TOKEN
+from .stepmeta import KIND_COORD, KIND_SIZE, KIND_TOKEN
 from .step import kv_bucket, prompt_bucket
 from .streaming import TextStreamer
 from .tokenizer import region_inputs

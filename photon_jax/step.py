@@ -1,5 +1,5 @@
 """The one place that calls `jax.jit`: the device programs, compiled per config, and the
-serving glue they need (slots, pending buffers, the constraint table, unpacking `meta`).  The
+serving glue they need (slots, pending buffers, the constraint table, unpacking `stepmeta`).  The
 model itself is the model modules' (`text`, `vision`, `region`); this module wraps it.
 
 Two bundles.  `build` gives the engine's `EnginePrograms`: `forward` (decode R rows into a
@@ -47,7 +47,7 @@ from .config import MoondreamConfig
 from .dtypes import F32, jnp_dtype
 from .kvpool import DecodeAccess, KVPool, PrefillAccess
 from .layers import linear
-from .meta import (F_LAST, F_PREFIX, F_START, KIND_COORD, KIND_SIZE, KIND_TOKEN,
+from .stepmeta import (F_LAST, F_PREFIX, F_START, KIND_COORD, KIND_SIZE, KIND_TOKEN,
                    M_OFF, M_PAGE, M_POS, M_ROW, M_TABLE, P_COUNT, P_OWNER)
 from .region import region_heads
 

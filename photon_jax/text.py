@@ -31,7 +31,7 @@ from .config import MoondreamConfig, TextConfig
 from .dtypes import F32, jnp_dtype, matmul_precision
 from .kvpool import attention_mask
 from .layers import attention, layer_norm, linear, mlp
-from .meta import KIND_COORD, KIND_SIZE
+from .stepmeta import KIND_COORD, KIND_SIZE
 
 
 @flax.struct.dataclass

@@ -15,7 +15,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .config import TokenizerConfig
-from .meta import KIND_COORD, KIND_SIZE
+from .stepmeta import KIND_COORD, KIND_SIZE
 
 STARMIE_HINT = (
     "Moondream 2 (revision 2025-06-21) needs the 'starmie' tokenizer: download "

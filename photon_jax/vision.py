@@ -3,7 +3,7 @@
 Pure functions over the `params["vision"]` subtree.  `encode_crops` maps uint8 crops to
 patch features; `project` stitches the local tiles' features, average-pools them to the patch
 grid, concatenates them after the global crop's features and runs the projection MLP.  The
-stitch/pool operands come from `photon_jax.image.pool_operands` (host side, per tiling).
+stitch/pool operands come from `photon_jax.pixels.pool_operands` (host side, per tiling).
 `encode_image` runs both over the whole param dict (what `step` jits).
 """
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from .config import MoondreamConfig, VisionConfig
 from .dtypes import F32, jnp_dtype, matmul_precision
-from .image import pixel_lut
+from .pixels import pixel_lut
 from .layers import attention, layer_norm, linear, mlp
 
 

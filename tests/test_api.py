@@ -12,7 +12,7 @@ from PIL import Image
 from photon_jax import Moondream
 from photon_jax.api import BatchError
 from photon_jax.checkpoint import CheckpointError
-from photon_jax.image import ImageError, load_image
+from photon_jax.pixels import ImageError, load_image
 from photon_jax.settings import SettingsError
 
 from helpers import FIXTURE_DIR

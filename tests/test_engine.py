@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import hostsync, kvpool, meta as meta_mod, reference, step as step_mod
+from photon_jax import hostsync, kvpool, stepmeta as meta_mod, reference, step as step_mod
 from photon_jax.engine import Engine, EngineError, Request, RequestError
 from photon_jax.model import Model
 from photon_jax.settings import Settings

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from photon_jax import meta as M
+from photon_jax import stepmeta as M
 from photon_jax.config import tiny, tiny_md3
 from photon_jax.engine import Engine
 from photon_jax.frontend import prepare_image

@@ -154,7 +154,7 @@ def test_full_size_programs_have_the_right_shapes():
     params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), cfg))
     P = step.build_oracle(cfg)
     n_crops, tiling = 9, (2, 4)
-    from photon_jax.image import pool_operands
+    from photon_jax.pixels import pool_operands
 
     src, ph, pw = pool_operands(tiling, cfg.vision)
     feats, emb = jax.eval_shape(P.encode_image, params,

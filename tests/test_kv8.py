@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import cpukernel, kvpool, memory, meta as M, step as step_mod
+from photon_jax import cpukernel, kvpool, memory, stepmeta as M, step as step_mod
 from photon_jax.config import moondream2
 from photon_jax.pages import pages_for
 

@@ -10,7 +10,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from photon_jax import image as image_mod
+from photon_jax import pixels as image_mod
 from photon_jax import reference as R
 from photon_jax.model import Model
 from photon_jax.settings import parse

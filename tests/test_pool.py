@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import cpukernel, kvpool, memory, meta as M, reference, step as step_mod, text
+from photon_jax import cpukernel, kvpool, memory, stepmeta as M, reference, step as step_mod, text
 from photon_jax.config import moondream2, moondream3, tiny, tiny_md3
 from photon_jax.engine import Engine, Request, RequestError
 from photon_jax.frontend import EncodedImage

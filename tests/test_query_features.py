@@ -15,7 +15,7 @@ from PIL import Image
 from photon_jax import Moondream, constraints, reference, skills
 from photon_jax.api import BatchError
 from photon_jax.engine import Engine, Request
-from photon_jax.image import ImageError, load_image
+from photon_jax.pixels import ImageError, load_image
 from photon_jax.settings import Settings, SettingsError, parse
 from photon_jax.tokenizer import spatial_refs_prompt
 
@@ -169,7 +169,7 @@ def test_image_loader_bytes_16bit_and_limits(tmp_path, monkeypatch):
         load_image(raw[: len(raw) // 2])      # truncated
     with pytest.raises(ImageError, match="empty \\(0 bytes\\)"):
         load_image(b"")
-    monkeypatch.setattr("photon_jax.image.MAX_PIXELS", 1000)
+    monkeypatch.setattr("photon_jax.pixels.MAX_PIXELS", 1000)
     with pytest.raises(ImageError, match="too large"):
         load_image(LAND)
 

@@ -45,7 +45,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import aio
-from ..image import ImageError
+from ..pixels import ImageError
 from ..request import EngineError, RequestError
 from .serve_inputs import (ApiError, Fields, bad, check_settings, decode_data_uri,
                            fetch_image, openai_finish, parse_chat)
