@@ -171,7 +171,8 @@ class Engine:
         a, c = self.sched.alloc, self.sched.cache
         return {"kv_pool": self.plan.pool, "kv_cache_tokens": self.plan.kv_cache_tokens,
                 "kv_dtype": self.kv_dtype or self.cfg.dtype,
-                "kv_bytes_per_token": memory.bytes_per_token(self.cfg, kv_dtype=self.kv_dtype),
+                "kv_bytes_per_token": memory.bytes_per_token(self.cfg, kv_dtype=self.kv_dtype,
+                                                              pack=self.platform.pack),
                 "page_size": self.page_size, "pages": a.usable, "pages_free": a.n_free,
                 "pages_reserved": a.reserved,
                 "pages_in_sequences": a.in_use() - c.pages(),

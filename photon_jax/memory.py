@@ -38,6 +38,7 @@ GiB = 1 << 30
 CPU_POOL_CAP = 4 * GiB
 GPU_POOL_SHARE = 0.9
 MIN_WORKSPACE = 1 * GiB
+PAGE_MULTIPLE = 8   # pool pages in the TPU layout (`plan`)
 
 
 class MemoryError_(MemoryError):
@@ -49,13 +50,16 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def bytes_per_token(cfg: MoondreamConfig, dtype=None, kv_dtype=None, mesh_size: int = 1) -> int:
+def bytes_per_token(cfg: MoondreamConfig, dtype=None, kv_dtype=None, mesh_size: int = 1,
+                    pack: int = 1) -> int:
     """K + V of one position over every layer (`kv_dtype` an 8-bit format: codes and
-    scales; None: the pool in the model's dtype), on one chip of a `mesh_size` mesh."""
+    scales; None: the pool in the model's dtype), on one chip of a `mesh_size` mesh, in
+    the pool layout `pack` gives (`step.Platform.pack`: > 1 on TPU)."""
     from .kvpool import position_bytes
 
-    full = position_bytes(cfg.text, kv_dtype or canonical(dtype or cfg.dtype))
-    split = mesh_size > 1 and cfg.text.n_kv_heads % mesh_size == 0
+    full = position_bytes(cfg.text, kv_dtype or canonical(dtype or cfg.dtype), pack)
+    rows = -(-cfg.text.n_kv_heads // pack)   # pool rows (`sharding.TensorParallel.heads_split`)
+    split = mesh_size > 1 and cfg.text.n_kv_heads % mesh_size == 0 and rows % mesh_size == 0
     return full // mesh_size if split else full
 
 
@@ -159,7 +163,7 @@ def plan(cfg: MoondreamConfig, *, platform, max_batch_size: int, max_context: in
 
     rec = platform if isinstance(platform, Platform) else choose(cfg, platform)
     dtype = dtype or cfg.dtype
-    per_tok = bytes_per_token(cfg, dtype, kv_dtype, mesh_size)
+    per_tok = bytes_per_token(cfg, dtype, kv_dtype, mesh_size, rec.pack)
     weights = weight_bytes(cfg, dtype, mesh_size)
     slots = slot_bytes(cfg, max_batch_size, dtype)
     work = workspace_bytes(cfg, dtype)
@@ -186,6 +190,12 @@ def plan(cfg: MoondreamConfig, *, platform, max_batch_size: int, max_context: in
         raise ValueError(f"kv_cache_tokens must be a positive int, got {kv_cache_tokens!r}")
     usable = pages_for(kv_cache_tokens, page_size)
     n_pages = usable + 1   # page 0: the dummy page
+    if rec.pack > 1:
+        # The TPU layout: pages a multiple of 8, else XLA:TPU lays an 8-bit pool's scales
+        # ([rows, P, 2T], `tpu_attention.scale_shape`) out pages-major (the sublane tile is
+        # 8) and copies them to the kernel's row-major layout and back in every step.
+        n_pages = -(-n_pages // PAGE_MULTIPLE) * PAGE_MULTIPLE
+        usable = n_pages - 1
     if sweep is None:
         sweep = rec.sweeps
     arenas = Arenas.geometric(n_pages, row_pages) if sweep else Arenas((n_pages,))
