@@ -53,7 +53,7 @@ side: [ceil(K / pack), P, T, pack * H], head j*pack + s in lanes [s*H, (s+1)*H) 
 The writes pack the heads (`tpu_attention.pack_heads`), the prefill gather unpacks them,
 and page copies move whole rows either way.  An 8-bit pool's scales are [ceil(K / pack),
 P, pack * T] there, head j*pack + s of position t at [j, p, s*T + t]
-(`tpu_attention.scale_shape`, `write_scales_packed`).  The layout follows the attention
+(`tpu_attention.scale_shape`, `write_pages_merged`).  The layout follows the attention
 (`step.Platform.pack`), not the platform, so the Pallas interpreter runs it on CPU in the
 tests.
 
@@ -294,40 +294,52 @@ def write_tokens(arenas: tuple, page_X, off_X, x_XKH) -> tuple:
                  for a, (st, n) in zip(arenas, _spans(arenas)))
 
 
-def write_tokens_q(arenas: tuple, scales, page_X, off_X, x_XKH):
+def write_tokens_q(arenas: tuple, scales, page_X, off_X, x_XKH, max_pages: int | None = None):
     """`write_tokens` into an 8-bit pool: (arenas, scales), the vectors quantized here, once
-    (`quantize`).  `scales` None: an unquantized pool, (arenas, None)."""
-    if scales is None:
-        return write_tokens(arenas, page_X, off_X, x_XKH), None
-    codes, sc = quantize(x_XKH, format_of(arenas[0].dtype))
-    if arenas[0].shape[-1] != x_XKH.shape[-1]:   # the TPU layout
-        return write_tokens(arenas, page_X, off_X, codes), write_scales_packed(
-            scales, page_X, off_X, sc, arenas[0].shape[2])
-    return write_tokens(arenas, page_X, off_X, codes), write_tokens(scales, page_X, off_X, sc)
+    (`quantize`).  `scales` None: an unquantized pool, (arenas, None).
 
-
-def write_scales_packed(arenas: tuple, page_X, off_X, sc_XK, page_size: int) -> tuple:
-    """Scales [X..., K] into the TPU layout's [rows, Pa, f * T] arenas: head j*f + s of
-    position (page, off) at [j, page, s*T + off] (`tpu_attention.scale_shape`).
-
-    Written as whole page rows: the rows of the pages written are gathered (each page once:
-    `jnp.unique`), the new scales set into that small copy, and the rows scattered back.
-    A scatter of single scales into the pool's lanes would make XLA:TPU pick another layout
-    for the scale arrays than the kernel's and copy them around every write (measured in a
-    deviceless v5e compile: 3.7 GB of temporaries in a decode step of Moondream 2); a
-    scatter of whole rows is the codes' kind, done in place."""
-    rows, _, lanes = arenas[0].shape
-    f = lanes // page_size
-    upd = tpu_attention.pack_scales(sc_XK, rows, f).reshape(rows, -1, f)   # [rows, X, f]
-    pages, offs = page_X.reshape(-1), off_X.reshape(-1)
-    uniq, inv = jnp.unique(pages, size=pages.shape[0], fill_value=jnp.iinfo(jnp.int32).max,
+    The TPU layout is written page by page (`write_pages_merged`) when the pool is 8-bit or
+    `max_pages` is given (prefill and prefix writes, where it bounds the distinct pages
+    the positions fall in; None: one per position)."""
+    lanes, page_size = arenas[0].shape[-1], arenas[0].shape[2]
+    packed = lanes != x_XKH.shape[-1]   # the TPU layout
+    if not packed or (scales is None and max_pages is None):
+        if scales is None:
+            return write_tokens(arenas, page_X, off_X, x_XKH), None
+        codes, sc = quantize(x_XKH, format_of(arenas[0].dtype))
+        return (write_tokens(arenas, page_X, off_X, codes),
+                write_tokens(scales, page_X, off_X, sc))
+    codes, sc = (x_XKH, None) if scales is None else quantize(x_XKH, format_of(arenas[0].dtype))
+    rows = arenas[0].shape[0]
+    upd = jnp.moveaxis(tpu_attention.pack_heads(codes, lanes), -2, 0)       # [rows, X..., L]
+    pages = page_X.reshape(-1)
+    size = pages.shape[0] if max_pages is None else min(max_pages, pages.shape[0])
+    uniq, inv = jnp.unique(pages, size=size, fill_value=jnp.iinfo(jnp.int32).max,
                            return_inverse=True)
-    lane = jnp.arange(f) * page_size + offs[:, None]                # [X, f]
+    inv, offs = inv.reshape(-1), off_X.reshape(-1)
+    arenas = write_pages_merged(arenas, uniq, (inv, offs), upd.reshape(rows, -1, lanes))
+    if scales is None:
+        return arenas, None
+    f = lanes // x_XKH.shape[-1]
+    lane = jnp.arange(f) * page_size + offs[:, None]                         # [X, f]
+    scu = tpu_attention.pack_scales(sc, rows, f).reshape(rows, -1, f)       # [rows, X, f]
+    return arenas, write_pages_merged(scales, uniq, (inv[:, None], lane), scu)
+
+
+def write_pages_merged(arenas: tuple, uniq_U, index, upd) -> tuple:
+    """Positions into whole pages of the TPU layout's 8-bit arenas (codes [rows, Pa, T, L],
+    scales [rows, Pa, f*T]): the pages `uniq_U` (each written page once, padded with ids
+    past every arena) are gathered, `upd` [rows, X, ...] set into that small copy at
+    `index` (its page slot and offset, or lane, per position), and the pages scattered
+    back.  A scatter of single positions or scales instead makes XLA:TPU lay the arena out
+    another way for the scatter and copy it back around every write (measured in deviceless
+    v5e compiles of Moondream 2: int8 rows 0.2 GB an arena and call, scales 3.7 GB of
+    temporaries a decode step); a scatter of whole pages, like `write_pages`, is in place."""
     out = []
     for a, (st, n) in zip(arenas, _spans(arenas)):
-        loc = _local(st, n, uniq)
-        old = a[:, jnp.minimum(loc, n - 1)]                          # [rows, U, lanes]
-        new = old.at[:, inv.reshape(-1)[:, None], lane].set(upd)
+        loc = _local(st, n, uniq_U)
+        old = a[:, jnp.minimum(loc, n - 1)]                          # [rows, U, ...]
+        new = old.at[(slice(None), *index)].set(as_storage(upd, a.dtype))
         out.append(a.at[:, loc].set(new, mode="drop"))
     return tuple(out)
 
@@ -528,8 +540,11 @@ class PrefillAccess:
 
     def _layer(self, arrays, q, k, v, pos_RT):
         ks, vs, ksc, vsc = arrays
-        ks, ksc = write_tokens_q(ks, ksc, self.page_RT, self.off_RT, k)
-        vs, vsc = write_tokens_q(vs, vsc, self.page_RT, self.off_RT, v)
+        # Each row's positions are consecutive: at most T // page + 1 pages a row, and the
+        # dummy page of its padding.
+        bound = self.page_RT.shape[0] * (-(-self.page_RT.shape[1] // ks[0].shape[2]) + 2)
+        ks, ksc = write_tokens_q(ks, ksc, self.page_RT, self.off_RT, k, bound)
+        vs, vsc = write_tokens_q(vs, vsc, self.page_RT, self.off_RT, v, bound)
         kv_len = self.pt_RM.shape[1] * ks[0].shape[2]
         mask = attention_mask(pos_RT, self.prefix_R, kv_len)
         return (ks, vs, ksc, vsc), prefill_attend(ks, vs, q, self.pt_RM, mask, ksc, vsc,

@@ -413,10 +413,11 @@ def _write_prefix_pages(pool: KVPool, k_LSKH, v_LSKH, page_S, off_S, *, tp=None)
         return tp.on_pool(lambda pool, kv, rest: _write_prefix_pages(pool, *kv, *rest),
                           k_LSKH.shape[2], pool, (k_LSKH, v_LSKH), (page_S, off_S))
     parts = ([], [], [], [])
+    bound = -(-page_S.shape[0] // pool.page_size) + 2   # consecutive positions, padding
     for li in range(len(pool.k)):
         k, v, ks, vs = pool.layer(li)
-        k, ks = kvpool.write_tokens_q(k, ks, page_S, off_S, k_LSKH[li])
-        v, vs = kvpool.write_tokens_q(v, vs, page_S, off_S, v_LSKH[li])
+        k, ks = kvpool.write_tokens_q(k, ks, page_S, off_S, k_LSKH[li], bound)
+        v, vs = kvpool.write_tokens_q(v, vs, page_S, off_S, v_LSKH[li], bound)
         for part, x in zip(parts, (k, v, ks, vs)):
             part.append(x)
     return KVPool(*(tuple(p) for p in (parts if pool.quantized else parts[:2])))
