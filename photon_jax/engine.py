@@ -124,7 +124,7 @@ class Engine:
             memory.plan(cfg, platform=plat, max_batch_size=max_batch_size,
                         max_context=ctx, page_size=page_size, kv_cache_tokens=kv_cache_tokens,
                         free=memory.device_free(self.device), weights_loaded=True,
-                        kv_dtype=self.kv_dtype,
+                        kv_dtype=self.kv_dtype, prefill_tokens=prefill_tokens,
                         mesh_size=1 if model.tp is None else model.tp.n),
             cfg, max_context=ctx, weights_loaded=True)
         self.page_size, self.arenas = page_size, self.plan.arenas
