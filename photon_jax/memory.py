@@ -100,19 +100,21 @@ def prefill_token_bytes(cfg: MoondreamConfig, prefill_tokens: int = PREFILL_TOKE
       fc2's output in float32 (D x 4) and the weighted output with its sum over the chips
       (2D x it) -- each chip computes every (position, expert) row, masked to its experts
       (`sharding.TensorParallel.experts`), so none of it divides over the mesh; a dense
-      MLP holds fc1's output and its activation (2 x ff x it);
+      MLP holds fc1's output in float32, cast back, and its activation (ff x (4 + 2 it));
     - the attention: float32 scores of the chip's query heads against at most an image
       prefix plus the prefill's positions (n_heads / n x (prefix + prefill_tokens) x 4).
 
-    Measured in the deviceless compile of Moondream 3's 32-row prefill (2048 positions) on
-    a v5e 2x2: 0.60 GB of temporaries per chip, against 2048 x this = 0.75 GB."""
+    Measured in deviceless compiles of 32-row prefills (2048 positions, after an image
+    prefix): Moondream 3 on a v5e 2x2, 0.60 GB of temporaries per chip, against 2048 x this
+    = 0.75 GB (+ 0.05 GB of view, `prefill_view_bytes`); Moondream 2 on one v5e, 1.03 GB
+    against 0.86 + 0.21 GB."""
     t = cfg.text
     it = np.dtype(canonical(dtype or cfg.dtype)).itemsize
     if t.moe is not None:
         d, inner, k = t.dim, t.moe.expert_inner_dim, t.moe.experts_per_token
         mlp = k * (d * it + 2 * inner * (4 + it) + inner * it + d * 4 + 2 * d * it)
     else:
-        mlp = 2 * t.ff_dim * it
+        mlp = t.ff_dim * (4 + 2 * it)
     split = mesh_size > 1 and t.n_kv_heads % mesh_size == 0
     heads = t.n_heads // mesh_size if split else t.n_heads
     return mlp + heads * (cfg.prefix_len + prefill_tokens) * 4
@@ -126,7 +128,7 @@ def prefill_view_bytes(cfg: MoondreamConfig, max_batch_size: int,
     positions, K and V, the chip's kv heads; an 8-bit pool's codes are dequantized there
     (float32) and cast to the model's dtype.  Measured with Moondream 2's int8 pool on one
     v5e, 32 rows of 64 positions: 1.29 GB of temporaries, against 0.73 GB of view plus the
-    positions' 0.80 GB (`prefill_token_bytes`)."""
+    positions' 0.86 GB (`prefill_token_bytes`)."""
     from .kvpool import QUANTIZED
 
     t = cfg.text
