@@ -327,14 +327,16 @@ def write_tokens_q(arenas: tuple, scales, page_X, off_X, x_XKH, max_pages: int |
 
 
 def write_pages_merged(arenas: tuple, uniq_U, index, upd) -> tuple:
-    """Positions into whole pages of the TPU layout's 8-bit arenas (codes [rows, Pa, T, L],
-    scales [rows, Pa, f*T]): the pages `uniq_U` (each written page once, padded with ids
-    past every arena) are gathered, `upd` [rows, X, ...] set into that small copy at
-    `index` (its page slot and offset, or lane, per position), and the pages scattered
-    back.  A scatter of single positions or scales instead makes XLA:TPU lay the arena out
-    another way for the scatter and copy it back around every write (measured in deviceless
-    v5e compiles of Moondream 2: int8 rows 0.2 GB an arena and call, scales 3.7 GB of
-    temporaries a decode step); a scatter of whole pages, like `write_pages`, is in place."""
+    """Positions into whole pages of the TPU layout's arenas (codes [rows, Pa, T, L], an
+    8-bit pool's scales [rows, Pa, f*T]): the pages `uniq_U` (each written page once,
+    padded with ids past every arena) are gathered, `upd` [rows, X, ...] set into that
+    small copy at `index` (its page slot and offset, or lane, per position), and the pages
+    scattered back.  A scatter of single positions or scales instead makes XLA:TPU lay the
+    arena out another way for the scatter and copy it back around every write (measured in
+    deviceless compiles: bfloat16 and int8 rows, 0.2 GB an arena and call -- Moondream 3's
+    32-row prefill on a v5e 2x2 had 3.9 GB of temporaries, 0.6 GB this way; scales, 3.7 GB
+    of temporaries in a decode step of Moondream 2); a scatter of whole pages, like
+    `write_pages`, is in place."""
     out = []
     for a, (st, n) in zip(arenas, _spans(arenas)):
         loc = _local(st, n, uniq_U)
