@@ -62,11 +62,11 @@ and e4m3 values are bfloat16 values), the block's scales rearranged to [K/f, f, 
 scales multiply the scores (a position's scale is a common factor of its dot product), the
 V scales the probabilities.  TPU v5e and v6e have no float8 arithmetic; e4m3 codes are only
 converted (in VMEM, by Mosaic's conversion), never multiplied as float8.  Checked without a
-TPU (`bench/tpu_compile.py`, libtpu 0.0.42.1): int8 and e4m3 pools compile for v5e and v6e
-at Moondream's shapes with pages of 16, 32, 64 and 128 (Mosaic's int8 tile is (32, 128):
-a page of 16 int8 positions is half a tile, relaid by Mosaic; the scales of pages under 64
-fill under 128 lanes) -- nothing has run on a TPU, so the cost of the widening and of
-those relayouts is unmeasured.
+TPU (deviceless Mosaic compiles, libtpu 0.0.42.1, Moondream 2's shapes, 32 rows): int8 and
+e4m3 pools compile for v5e and v6e at pages of 64, int8 for v5e at pages of 16, 32 and 128
+too (Mosaic's int8 tile is (32, 128): a page of 16 int8 positions is half a tile, relaid by
+Mosaic; the scales of pages under 64 fill under 128 lanes) -- nothing has run on a TPU, so
+the cost of the widening and of those relayouts is unmeasured.
 """
 
 from __future__ import annotations
