@@ -20,6 +20,7 @@ tokens/s that bound gives.
     pip install ".[tpu]"      # libtpu; keep it out of a CPU/GPU environment
     TPU_SKIP_MDS_QUERY=1 JAX_PLATFORMS=cpu python bench/tpu_compile.py
     python bench/tpu_compile.py --lower-only        # no libtpu: tiny config, StableHLO (CI)
+    ... --kv-dtype int8                             # the 8-bit pool (`tpu_attention`)
 
 (JAX_PLATFORMS=cpu: JAX must not try to open a TPU it does not have; the topology is
 described by libtpu regardless.  Results: bench/README.md.)
@@ -163,11 +164,11 @@ def compile_row(fn, args, devices, chip: str, shardings=None, **fields) -> dict:
 
 
 def serving_args(cfg, batch: int, chip: str | None, kv_cache_tokens=None,
-                 chips: int = 1) -> dict:
+                 chips: int = 1, kv_dtype: str | None = None) -> dict:
     """Abstract arguments (nothing allocated) of the serving programs: params as a loaded
     model holds them, the device state with the pool `memory.plan` gives for the chip (one
-    arena, the TPU layout; over `chips` chips, per chip), decode metadata per row bucket,
-    sampling rows."""
+    arena, the TPU layout; over `chips` chips, per chip; `kv_dtype`: an 8-bit pool),
+    decode metadata per row bucket, sampling rows."""
     import jax
     import jax.numpy as jnp
 
@@ -180,9 +181,11 @@ def serving_args(cfg, batch: int, chip: str | None, kv_cache_tokens=None,
     mesh = {"mesh_size": chips} if chips > 1 else {}   # (a plan per chip: the mesh sharding)
     plat = step_mod.choose(cfg, "tpu", ATTENTION)
     plan = memory.plan(cfg, platform=plat, max_batch_size=batch, max_context=ctx,
-                       page_size=PAGE, kv_cache_tokens=kv_cache_tokens, free=free, **mesh)
+                       page_size=PAGE, kv_cache_tokens=kv_cache_tokens, free=free,
+                       kv_dtype=kv_dtype, **mesh)
     dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes, page_size=PAGE,
-                                        max_batch_size=batch, platform="tpu", pack=plat.pack)
+                                        max_batch_size=batch, platform="tpu", pack=plat.pack,
+                                        kv_dtype=kv_dtype)
     width = -(-ctx // PAGE)
     return {"plan": plan, "dev": dev,
             "params": jax.eval_shape(unstack_layers, abstract_params(cfg)),
@@ -241,7 +244,7 @@ def program_calls(cfg, a: dict, batch: int, grouped: str | None = None, tp=None)
     yield "image_kv", {"crops": n}, P.image_kv, (params, crops.crops, src, ph, pw)
 
 
-def cost_rows(models, batch: int, contexts=(1024, 2048)):
+def cost_rows(models, batch: int, contexts=(1024, 2048), kv_dtype: str | None = None):
     """The decode step's HBM bytes per chip and the tokens/s they allow: the text weights
     (every layer, the LM head; Moondream 3 at batch 32 selects ~63 of its 64 experts per
     layer, so all are counted) once per step, plus each row's K/V up to its context.  A
@@ -260,12 +263,13 @@ def cost_rows(models, batch: int, contexts=(1024, 2048)):
         p = abstract_params(cfg)
         text = sum(int(np.prod(x.shape)) * x.dtype.itemsize
                    for x in jax.tree.leaves((p["text"], p["region"])))
-        per_tok = memory.bytes_per_token(cfg)
+        per_tok = memory.bytes_per_token(cfg, kv_dtype=kv_dtype)
         for chip, spec in CHIPS.items():
             for n in (1, 4):
                 for ctx in contexts:
                     step = (text + batch * ctx * per_tok) / n
                     yield {"kind": "tpu_cost", "model": name, "chip": chip, "chips": n,
+                           "kv_dtype": kv_dtype or "bfloat16",
                            "batch": batch, "context": ctx,
                            "weights_GB": round(text / n / 1e9, 2),
                            "kv_GB": round(batch * ctx * per_tok / n / 1e9, 2),
@@ -316,6 +320,8 @@ def main() -> None:
                     help="only these row buckets of forward and prefill_slot")
     ap.add_argument("--grouped", default=None, choices=["blocks", "ragged"],
                     help="MoE prefill schedule instead of step.default_grouped('tpu')")
+    ap.add_argument("--kv-dtype", default=None, choices=["int8", "float8_e4m3fn"],
+                    help="an 8-bit KV pool (default: bfloat16, the model's dtype)")
     ap.add_argument("--cost-model", action="store_true",
                     help="only the decode byte model (no compiles, no libtpu)")
     ap.add_argument("--lower-only", action="store_true",
@@ -323,7 +329,7 @@ def main() -> None:
     args = ap.parse_args()
     env = env_info()
     if args.cost_model:   # arithmetic only: no compile, no libtpu
-        for row in cost_rows(args.models, args.batch):
+        for row in cost_rows(args.models, args.batch, kv_dtype=args.kv_dtype):
             print(json.dumps(row), flush=True)
         return
     if args.lower_only:
@@ -334,7 +340,8 @@ def main() -> None:
         cfg = CONFIGS[name]().with_dtype("bfloat16")
         if topology is None:
             chip, devices = "v5e", None
-            a = serving_args(cfg, 4, None, kv_cache_tokens=4 * cfg.text.max_context)
+            a = serving_args(cfg, 4, None, kv_cache_tokens=4 * cfg.text.max_context,
+                             kv_dtype=args.kv_dtype)
             batch = 4
         else:
             chip, devices = devices_of(topology)
@@ -342,7 +349,8 @@ def main() -> None:
             try:
                 tp, shardings = (None, None) if len(devices) == 1 else \
                     mesh_layout(cfg, devices)
-                a = serving_args(cfg, batch, chip, chips=len(devices))
+                a = serving_args(cfg, batch, chip, chips=len(devices),
+                                 kv_dtype=args.kv_dtype)
             except Exception as e:   # the plan refuses (the model does not fit the chip), or
                 # this tree has no mesh sharding (photon_jax.sharding)
                 print(json.dumps({"kind": "tpu_compile", "model": name, "topology": topology,
@@ -351,7 +359,8 @@ def main() -> None:
                       flush=True)
                 continue
         info = {"model": name, "topology": topology or "lowered for TPU", "batch": batch,
-                "kv_cache_tokens": a["plan"].kv_cache_tokens}
+                "kv_cache_tokens": a["plan"].kv_cache_tokens,
+                "kv_dtype": args.kv_dtype or "bfloat16"}
         for prog, fields, fn, call_args in program_calls(cfg, a, batch, args.grouped,
                                                          None if topology is None else tp):
             if args.programs and prog not in args.programs:

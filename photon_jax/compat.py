@@ -97,7 +97,8 @@ def pallas_triton():
 
 _PALLAS_TPU_NAMES = (("pl", ("pallas_call", "BlockSpec", "ANY", "program_id", "when")),
                      ("pltpu", ("PrefetchScalarGridSpec", "VMEM", "SMEM", "SemaphoreType",
-                                "make_async_copy", "CompilerParams", "InterpretParams")))
+                                "make_async_copy", "CompilerParams", "InterpretParams",
+                                "einshape")))
 
 
 def pallas_tpu():

@@ -124,7 +124,7 @@ class Engine:
             memory.plan(cfg, platform=plat, max_batch_size=max_batch_size,
                         max_context=ctx, page_size=page_size, kv_cache_tokens=kv_cache_tokens,
                         free=memory.device_free(self.device), weights_loaded=True,
-                        kv_dtype=self.kv_dtype,
+                        kv_dtype=self.kv_dtype, prefill_tokens=prefill_tokens,
                         mesh_size=1 if model.tp is None else model.tp.n),
             cfg, max_context=ctx, weights_loaded=True)
         self.page_size, self.arenas = page_size, self.plan.arenas
@@ -171,7 +171,8 @@ class Engine:
         a, c = self.sched.alloc, self.sched.cache
         return {"kv_pool": self.plan.pool, "kv_cache_tokens": self.plan.kv_cache_tokens,
                 "kv_dtype": self.kv_dtype or self.cfg.dtype,
-                "kv_bytes_per_token": memory.bytes_per_token(self.cfg, kv_dtype=self.kv_dtype),
+                "kv_bytes_per_token": memory.bytes_per_token(self.cfg, kv_dtype=self.kv_dtype,
+                                                              pack=self.platform.pack),
                 "page_size": self.page_size, "pages": a.usable, "pages_free": a.n_free,
                 "pages_reserved": a.reserved,
                 "pages_in_sequences": a.in_use() - c.pages(),

@@ -51,7 +51,9 @@ array by (sublanes, 128 lanes), and a [K, P, T, 64] pool fits its tiles badly (s
 `tpu_attention`), so the pool that attention reads puts `pack` = 128 // H kv heads side by
 side: [ceil(K / pack), P, T, pack * H], head j*pack + s in lanes [s*H, (s+1)*H) of row j.
 The writes pack the heads (`tpu_attention.pack_heads`), the prefill gather unpacks them,
-and page copies move whole rows either way.  The layout follows the attention
+and page copies move whole rows either way.  An 8-bit pool's scales are [ceil(K / pack),
+P, pack * T] there, head j*pack + s of position t at [j, p, s*T + t]
+(`tpu_attention.scale_shape`, `write_pages_merged`).  The layout follows the attention
 (`step.Platform.pack`), not the platform, so the Pallas interpreter runs it on CPU in the
 tests.
 
@@ -223,17 +225,21 @@ def init_pool(cfg: TextConfig, arena_sizes: tuple, page_size: int, dtype,
               platform: str | None = None, pack: int = 1) -> KVPool:
     """Zeroed pool; `dtype` an 8-bit format of `QUANTIZED` adds the scale arrays (ones),
     its codes stored as `storage_dtype` gives for `platform` (None: JAX's default).
-    `pack` > 1: the TPU layout (`step.Platform.pack`), unquantized only."""
+    `pack` > 1: the TPU layout (`step.Platform.pack`), its scales [rows, Pa, pack * T]
+    (`tpu_attention.scale_shape`)."""
     dt = _pool_dtype(dtype, platform)
-    if pack > 1 and dtype in QUANTIZED:
-        raise ValueError(f"kv_dtype={dtype!r}: the TPU paged-attention kernel reads "
-                         "unquantized pools only (pass kv_dtype=None, or attention='xla')")
 
     def layer():
         return tuple(jnp.zeros(arena_shape(cfg, n, page_size, pack), dt) for n in arena_sizes)
 
+    def scale_shape(n):
+        if pack > 1:
+            rows, lanes = tpu_attention.packed_heads(cfg.n_kv_heads, cfg.head_dim)
+            return tpu_attention.scale_shape(rows, n, page_size, lanes // cfg.head_dim)
+        return arena_shape(cfg, n, page_size)[:3]
+
     def scales():
-        return tuple(jnp.ones(arena_shape(cfg, n, page_size)[:3], F32) for n in arena_sizes)
+        return tuple(jnp.ones(scale_shape(n), F32) for n in arena_sizes)
 
     parts = [tuple(layer() for _ in range(cfg.n_layers)),
              tuple(layer() for _ in range(cfg.n_layers))]
@@ -243,10 +249,15 @@ def init_pool(cfg: TextConfig, arena_sizes: tuple, page_size: int, dtype,
     return KVPool(*parts)
 
 
-def position_bytes(cfg: TextConfig, dtype) -> int:
-    """Bytes of one position's K and V over every layer (an 8-bit pool: codes + scales)."""
+def position_bytes(cfg: TextConfig, dtype, pack: int = 1) -> int:
+    """Bytes of one position's K and V over every layer (an 8-bit pool: codes + scales);
+    `pack` > 1: the TPU layout, whose rows hold `pack` heads (an odd head count pads one)."""
+    heads = cfg.n_kv_heads
+    if pack > 1:
+        rows, lanes = tpu_attention.packed_heads(cfg.n_kv_heads, cfg.head_dim)
+        heads = rows * (lanes // cfg.head_dim)
     per_head = cfg.head_dim * _pool_dtype(dtype).itemsize + (4 if dtype in QUANTIZED else 0)
-    return 2 * cfg.n_layers * cfg.n_kv_heads * per_head
+    return 2 * cfg.n_layers * heads * per_head
 
 
 def pool_bytes(cfg: TextConfig, n_pages: int, page_size: int, dtype) -> int:
@@ -283,13 +294,56 @@ def write_tokens(arenas: tuple, page_X, off_X, x_XKH) -> tuple:
                  for a, (st, n) in zip(arenas, _spans(arenas)))
 
 
-def write_tokens_q(arenas: tuple, scales, page_X, off_X, x_XKH):
+def write_tokens_q(arenas: tuple, scales, page_X, off_X, x_XKH, max_pages: int | None = None):
     """`write_tokens` into an 8-bit pool: (arenas, scales), the vectors quantized here, once
-    (`quantize`).  `scales` None: an unquantized pool, (arenas, None)."""
+    (`quantize`).  `scales` None: an unquantized pool, (arenas, None).
+
+    The TPU layout is written page by page (`write_pages_merged`) when the pool is 8-bit or
+    `max_pages` is given (prefill and prefix writes, where it bounds the distinct pages
+    the positions fall in; None: one per position)."""
+    lanes, page_size = arenas[0].shape[-1], arenas[0].shape[2]
+    packed = lanes != x_XKH.shape[-1]   # the TPU layout
+    if not packed or (scales is None and max_pages is None):
+        if scales is None:
+            return write_tokens(arenas, page_X, off_X, x_XKH), None
+        codes, sc = quantize(x_XKH, format_of(arenas[0].dtype))
+        return (write_tokens(arenas, page_X, off_X, codes),
+                write_tokens(scales, page_X, off_X, sc))
+    codes, sc = (x_XKH, None) if scales is None else quantize(x_XKH, format_of(arenas[0].dtype))
+    rows = arenas[0].shape[0]
+    upd = jnp.moveaxis(tpu_attention.pack_heads(codes, lanes), -2, 0)       # [rows, X..., L]
+    pages = page_X.reshape(-1)
+    size = pages.shape[0] if max_pages is None else min(max_pages, pages.shape[0])
+    uniq, inv = jnp.unique(pages, size=size, fill_value=jnp.iinfo(jnp.int32).max,
+                           return_inverse=True)
+    inv, offs = inv.reshape(-1), off_X.reshape(-1)
+    arenas = write_pages_merged(arenas, uniq, (inv, offs), upd.reshape(rows, -1, lanes))
     if scales is None:
-        return write_tokens(arenas, page_X, off_X, x_XKH), None
-    codes, sc = quantize(x_XKH, format_of(arenas[0].dtype))
-    return write_tokens(arenas, page_X, off_X, codes), write_tokens(scales, page_X, off_X, sc)
+        return arenas, None
+    f = lanes // x_XKH.shape[-1]
+    lane = jnp.arange(f) * page_size + offs[:, None]                         # [X, f]
+    scu = tpu_attention.pack_scales(sc, rows, f).reshape(rows, -1, f)       # [rows, X, f]
+    return arenas, write_pages_merged(scales, uniq, (inv[:, None], lane), scu)
+
+
+def write_pages_merged(arenas: tuple, uniq_U, index, upd) -> tuple:
+    """Positions into whole pages of the TPU layout's arenas (codes [rows, Pa, T, L], an
+    8-bit pool's scales [rows, Pa, f*T]): the pages `uniq_U` (each written page once,
+    padded with ids past every arena) are gathered, `upd` [rows, X, ...] set into that
+    small copy at `index` (its page slot and offset, or lane, per position), and the pages
+    scattered back.  A scatter of single positions or scales instead makes XLA:TPU lay the
+    arena out another way for the scatter and copy it back around every write (measured in
+    deviceless compiles: bfloat16 and int8 rows, 0.2 GB an arena and call -- Moondream 3's
+    32-row prefill on a v5e 2x2 had 3.9 GB of temporaries, 0.6 GB this way; scales, 3.7 GB
+    of temporaries in a decode step of Moondream 2); a scatter of whole pages, like
+    `write_pages`, is in place."""
+    out = []
+    for a, (st, n) in zip(arenas, _spans(arenas)):
+        loc = _local(st, n, uniq_U)
+        old = a[:, jnp.minimum(loc, n - 1)]                          # [rows, U, ...]
+        new = old.at[(slice(None), *index)].set(as_storage(upd, a.dtype))
+        out.append(a.at[:, loc].set(new, mode="drop"))
+    return tuple(out)
 
 
 def write_rows(arenas_k: tuple, arenas_v: tuple, page_R, off_R, k_RKH, v_RKH,
@@ -300,30 +354,62 @@ def write_rows(arenas_k: tuple, arenas_v: tuple, page_R, off_R, k_RKH, v_RKH,
     charges a scatter its whole operand, read and written, and unrolled slice updates cost
     minutes of compilation at 32 rows: this keeps the step's bytes-accessed figure true.)
     With `scales_k` / `scales_v` (an 8-bit pool) the rows are quantized first and the
-    result is (k, v, ks, vs)."""
+    result is (k, v, ks, vs).
+
+    The TPU layout (arenas of `pack` heads a row; the 8-bit pool's decode writes, `DecodeAccess`)
+    is written packed -- a row's codes, each head's scale at its lane -- by slice updates
+    unrolled over the rows.  Measured in deviceless v5e compiles of Moondream 2's 32-row
+    int8 step: a scatter of int8 rows made XLA:TPU lay the arena out another way for the
+    scatter and copy it back (48 copies of 0.2 GB a step); this loop as a `fori_loop` made
+    it carry copies (over HBM: 17 GB of temporaries); unrolled, every update is in place
+    (88 MB of temporaries).  (On XLA:CPU, unrolling cost minutes of compilation at 32
+    rows; the CPU pools are not packed.)"""
     spans = _spans(arenas_k)
-    parts = [(tuple(arenas_k), k_RKH), (tuple(arenas_v), v_RKH)]
+    lanes, page_size = arenas_k[0].shape[-1], arenas_k[0].shape[2]
+    packed = lanes != k_RKH.shape[-1]
+
+    def heads(x_RKH):
+        return tpu_attention.pack_heads(x_RKH, lanes) if packed else x_RKH
+
+    parts = [(tuple(arenas_k), heads(k_RKH)), (tuple(arenas_v), heads(v_RKH))]
     if scales_k is not None:
         fmt = format_of(arenas_k[0].dtype)
         (kq, ksc), (vq, vsc) = quantize(k_RKH, fmt), quantize(v_RKH, fmt)
-        parts = [(tuple(arenas_k), kq), (tuple(arenas_v), vq), (tuple(scales_k), ksc),
-                 (tuple(scales_v), vsc)]
+        if packed:   # scales [R, rows, f]
+            rows, f = arenas_k[0].shape[0], lanes // k_RKH.shape[-1]
+            ksc, vsc = (jnp.moveaxis(tpu_attention.pack_scales(x, rows, f), 0, 1)
+                        for x in (ksc, vsc))
+        parts = [(tuple(arenas_k), heads(kq)), (tuple(arenas_v), heads(vq)),
+                 (tuple(scales_k), ksc), (tuple(scales_v), vsc)]
+
+    def put(a, new, loc, n, start):
+        old = jax.lax.dynamic_slice(a, start, new.shape)
+        return jax.lax.dynamic_update_slice(a, jnp.where((loc >= 0) & (loc < n), new, old),
+                                            start)
 
     def one(a, x, r, st, n):
         loc = page_R[r] - st
-        rest = a.shape[3:]
-        start = (0, jnp.clip(loc, 0, n - 1), off_R[r]) + (0,) * len(rest)
-        old = jax.lax.dynamic_slice(a, start, (a.shape[0], 1, 1, *rest))
+        at = jnp.clip(loc, 0, n - 1)
         new = jax.lax.dynamic_index_in_dim(x, r, 0, keepdims=False)
+        if packed and a.ndim == 3:   # TPU-layout scales: head s of the row at lane s*T + off
+            for s_ in range(new.shape[-1]):
+                a = put(a, new[:, s_].reshape(a.shape[0], 1, 1), loc, n,
+                        (0, at, s_ * page_size + off_R[r]))
+            return a
+        rest = a.shape[3:]
         new = as_storage(new, a.dtype).reshape(a.shape[0], 1, 1, *rest)
-        return jax.lax.dynamic_update_slice(a, jnp.where((loc >= 0) & (loc < n), new, old),
-                                            start)
+        return put(a, new, loc, n, (0, at, off_R[r]) + (0,) * len(rest))
 
     def body(r, arrays):
         return tuple(tuple(one(a, x, r, st, n) for a, (st, n) in zip(arenas, spans))
                      for arenas, (_, x) in zip(arrays, parts))
 
-    return jax.lax.fori_loop(0, k_RKH.shape[0], body, tuple(a for a, _ in parts))
+    arrays = tuple(a for a, _ in parts)
+    if packed:   # unrolled: see the docstring
+        for r in range(k_RKH.shape[0]):
+            arrays = body(r, arrays)
+        return arrays
+    return jax.lax.fori_loop(0, k_RKH.shape[0], body, arrays)
 
 
 def gather_pages(arenas: tuple, page_X):
@@ -357,10 +443,14 @@ def prefill_attend(arenas_k: tuple, arenas_v: tuple, q_RTQH, pt_RM, mask_RTS,
 
     def view(arenas, scales):   # [K, R, M, T, H] -> [R, S, K, H]
         g = gather_pages(arenas, pt_RM)
-        if g.shape[-1] != h:   # the TPU layout: heads side by side in a row
+        packed = g.shape[-1] != h   # the TPU layout: heads side by side in a row
+        if packed:
             g = tpu_attention.unpack_heads(g, n_kv, h)
         if scales is not None:
-            g = dequantize(g, gather_pages(scales, pt_RM))
+            sc = gather_pages(scales, pt_RM)
+            if packed:
+                sc = tpu_attention.unpack_scales(sc, n_kv, arenas[0].shape[2])
+            g = dequantize(g, sc)
         return g.transpose(1, 2, 3, 0, 4).reshape(r, kv_len, g.shape[0], g.shape[-1])
 
     k, v = view(arenas_k, scales_k), view(arenas_v, scales_v)
@@ -452,8 +542,11 @@ class PrefillAccess:
 
     def _layer(self, arrays, q, k, v, pos_RT):
         ks, vs, ksc, vsc = arrays
-        ks, ksc = write_tokens_q(ks, ksc, self.page_RT, self.off_RT, k)
-        vs, vsc = write_tokens_q(vs, vsc, self.page_RT, self.off_RT, v)
+        # Each row's positions are consecutive: at most T // page + 1 pages a row, and the
+        # dummy page of its padding.
+        bound = self.page_RT.shape[0] * (-(-self.page_RT.shape[1] // ks[0].shape[2]) + 2)
+        ks, ksc = write_tokens_q(ks, ksc, self.page_RT, self.off_RT, k, bound)
+        vs, vsc = write_tokens_q(vs, vsc, self.page_RT, self.off_RT, v, bound)
         kv_len = self.pt_RM.shape[1] * ks[0].shape[2]
         mask = attention_mask(pos_RT, self.prefix_R, kv_len)
         return (ks, vs, ksc, vsc), prefill_attend(ks, vs, q, self.pt_RM, mask, ksc, vsc,
@@ -488,7 +581,10 @@ class DecodeAccess:
 
     def _layer(self, arrays, q, k, v, pos_RT):
         ks, vs, ksc, vsc = arrays
-        if self.scatter:   # GPU, TPU: one scatter per arena (one kernel)
+        # GPU, TPU: one scatter per arena (one kernel); but an 8-bit pool in the TPU layout
+        # takes the row updates of `write_rows` (XLA:TPU scatters int8 rows through another
+        # layout than the pool's and copies every arena back: `write_rows`).
+        if self.scatter and not (ksc is not None and ks[0].shape[-1] != k.shape[-1]):
             ks, ksc = write_tokens_q(ks, ksc, self.page_R, self.off_R, k[:, 0])
             vs, vsc = write_tokens_q(vs, vsc, self.page_R, self.off_R, v[:, 0])
         elif ksc is None:
@@ -532,11 +628,12 @@ def tpu_kernel_attend(acc: DecodeAccess, arrays, q_RQH, *, n_kv_heads: int,
     """Our Pallas TPU kernel over the TPU layout (`tpu_attention`): `n_kv_heads` the kv heads
     this chip's pool rows hold (`step.decode_access` binds it: a packed row holds several)."""
     ks, vs, ksc, vsc = arrays
-    if len(ks) != 1 or ksc is not None:
-        raise ValueError("the TPU paged-attention kernel reads a single-arena, unquantized "
-                         "pool")
+    if len(ks) != 1:
+        raise ValueError("the TPU paged-attention kernel reads a single-arena pool")
     return tpu_attention.attend(ks[0], vs[0], q_RQH, acc.pt_RM, acc.length_R,
-                                n_kv_heads=n_kv_heads, interpret=interpret)
+                                n_kv_heads=n_kv_heads, interpret=interpret,
+                                ks_pool=None if ksc is None else ksc[0],
+                                vs_pool=None if vsc is None else vsc[0])
 
 
 def _on_layer(access, pool: KVPool, li: int, q, k, v, pos_RT):

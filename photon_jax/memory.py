@@ -38,6 +38,8 @@ GiB = 1 << 30
 CPU_POOL_CAP = 4 * GiB
 GPU_POOL_SHARE = 0.9
 MIN_WORKSPACE = 1 * GiB
+PAGE_MULTIPLE = 8   # pool pages in the TPU layout (`plan`)
+PREFILL_TOKENS = 2048   # the engine's default prompt positions a prefill (`Engine`)
 
 
 class MemoryError_(MemoryError):
@@ -49,13 +51,16 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def bytes_per_token(cfg: MoondreamConfig, dtype=None, kv_dtype=None, mesh_size: int = 1) -> int:
+def bytes_per_token(cfg: MoondreamConfig, dtype=None, kv_dtype=None, mesh_size: int = 1,
+                    pack: int = 1) -> int:
     """K + V of one position over every layer (`kv_dtype` an 8-bit format: codes and
-    scales; None: the pool in the model's dtype), on one chip of a `mesh_size` mesh."""
+    scales; None: the pool in the model's dtype), on one chip of a `mesh_size` mesh, in
+    the pool layout `pack` gives (`step.Platform.pack`: > 1 on TPU)."""
     from .kvpool import position_bytes
 
-    full = position_bytes(cfg.text, kv_dtype or canonical(dtype or cfg.dtype))
-    split = mesh_size > 1 and cfg.text.n_kv_heads % mesh_size == 0
+    full = position_bytes(cfg.text, kv_dtype or canonical(dtype or cfg.dtype), pack)
+    rows = -(-cfg.text.n_kv_heads // pack)   # pool rows (`sharding.TensorParallel.heads_split`)
+    split = mesh_size > 1 and cfg.text.n_kv_heads % mesh_size == 0 and rows % mesh_size == 0
     return full // mesh_size if split else full
 
 
@@ -84,16 +89,73 @@ def slot_bytes(cfg: MoondreamConfig, max_batch_size: int, dtype=None) -> int:
     return state["slots"] + state["pending"] + state["tables"]
 
 
-def workspace_bytes(cfg: MoondreamConfig, dtype=None) -> int:
+def prefill_token_bytes(cfg: MoondreamConfig, prefill_tokens: int = PREFILL_TOKENS,
+                        mesh_size: int = 1, dtype=None) -> int:
+    """Temporaries one prompt position of a prefill keeps live in its widest layer, on one
+    chip of a `mesh_size` mesh (it = the dtype's bytes, D the width, I an expert's width):
+
+    - the MLP: a mixture of k experts (`moe`, the grouped `ragged_dot` schedule) holds, per
+      position and chosen expert, its input sorted by expert (D x it), fc1's gate and up
+      outputs in float32 and cast back (2I x (4 + it)), the gated activation (I x it),
+      fc2's output in float32 (D x 4) and the weighted output with its sum over the chips
+      (2D x it) -- each chip computes every (position, expert) row, masked to its experts
+      (`sharding.TensorParallel.experts`), so none of it divides over the mesh; a dense
+      MLP holds fc1's output in float32, cast back, and its activation (ff x (4 + 2 it));
+    - the attention: float32 scores of the chip's query heads against at most an image
+      prefix plus the prefill's positions (n_heads / n x (prefix + prefill_tokens) x 4).
+
+    Measured in deviceless compiles of 32-row prefills (2048 positions, after an image
+    prefix): Moondream 3 on a v5e 2x2, 0.60 GB of temporaries per chip, against 2048 x this
+    = 0.75 GB (+ 0.05 GB of view, `prefill_view_bytes`); Moondream 2 on one v5e, 1.03 GB
+    against 0.86 + 0.21 GB."""
+    t = cfg.text
+    it = np.dtype(canonical(dtype or cfg.dtype)).itemsize
+    if t.moe is not None:
+        d, inner, k = t.dim, t.moe.expert_inner_dim, t.moe.experts_per_token
+        mlp = k * (d * it + 2 * inner * (4 + it) + inner * it + d * 4 + 2 * d * it)
+    else:
+        mlp = t.ff_dim * (4 + 2 * it)
+    split = mesh_size > 1 and t.n_kv_heads % mesh_size == 0
+    heads = t.n_heads // mesh_size if split else t.n_heads
+    return mlp + heads * (cfg.prefix_len + prefill_tokens) * 4
+
+
+def prefill_view_bytes(cfg: MoondreamConfig, max_batch_size: int,
+                       prefill_tokens: int = PREFILL_TOKENS, mesh_size: int = 1, dtype=None,
+                       kv_dtype=None) -> int:
+    """The K/V a prompt prefill gathers from the pool into a contiguous view
+    (`kvpool.prefill_attend`), on one chip: each row's image prefix and the prefill's
+    positions, K and V, the chip's kv heads; an 8-bit pool's codes are dequantized there
+    (float32) and cast to the model's dtype.  Measured with Moondream 2's int8 pool on one
+    v5e, 32 rows of 64 positions: 1.29 GB of temporaries, against 0.73 GB of view plus the
+    positions' 0.86 GB (`prefill_token_bytes`)."""
+    from .kvpool import QUANTIZED
+
+    t = cfg.text
+    it = np.dtype(canonical(dtype or cfg.dtype)).itemsize
+    per_elem = 1 + 4 + it if kv_dtype in QUANTIZED else it
+    heads = t.n_kv_heads // mesh_size if mesh_size > 1 and t.n_kv_heads % mesh_size == 0 \
+        else t.n_kv_heads
+    positions = max_batch_size * cfg.prefix_len + prefill_tokens
+    return positions * 2 * heads * t.head_dim * per_elem
+
+
+def workspace_bytes(cfg: MoondreamConfig, dtype=None, prefill_tokens: int = PREFILL_TOKENS,
+                    mesh_size: int = 1, max_batch_size: int = 1, kv_dtype=None) -> int:
     """A budget for XLA's temporaries: twice the largest single activation of an image
     prefill (the vision encoder's attention scores over all crops, or the text model's over
-    the image prefix), at least 1 GiB."""
+    the image prefix), or a prompt prefill of `prefill_tokens` positions over up to
+    `max_batch_size` rows (`prefill_token_bytes` each, and the K/V view it gathers:
+    `prefill_view_bytes`), at least 1 GiB."""
     v, t = cfg.vision, cfg.text
     crops = v.max_crops + 1
     vision = crops * v.enc_n_heads * v.n_patches ** 2 * 4
     text = t.n_heads * cfg.prefix_len ** 2 * 4
     mlp = cfg.prefix_len * max(t.ff_dim, v.enc_ff_dim * crops) * 4
-    return max(MIN_WORKSPACE, 2 * max(vision, text, mlp))
+    prefill = (prefill_tokens * prefill_token_bytes(cfg, prefill_tokens, mesh_size, dtype)
+               + prefill_view_bytes(cfg, max_batch_size, prefill_tokens, mesh_size, dtype,
+                                    kv_dtype))
+    return max(MIN_WORKSPACE, 2 * max(vision, text, mlp), prefill)
 
 
 @dataclass(frozen=True)
@@ -148,21 +210,23 @@ def device_free(device) -> int | None:
 def plan(cfg: MoondreamConfig, *, platform, max_batch_size: int, max_context: int,
          page_size: int, kv_cache_tokens: int | None = None, free: int | None = None,
          weights_loaded: bool = False, dtype=None, sweep: bool | None = None,
-         kv_dtype: str | None = None, mesh_size: int = 1) -> MemoryPlan:
+         kv_dtype: str | None = None, mesh_size: int = 1,
+         prefill_tokens: int = PREFILL_TOKENS) -> MemoryPlan:
     """The memory plan of a model on a device with `free` bytes available (None: unknown).
     `platform`: the device's `step.Platform` record (or its name: its default record).
     `weights_loaded`: `free` was measured after the weights were placed.  `sweep`: the
     decode attention is the XLA sweep (several arenas; default on CPU) rather than the
     Pallas kernel (one arena).  `kv_dtype`: an 8-bit pool (None: the model's dtype).
-    `mesh_size`: the chips of a tensor-parallel mesh; the plan is then per chip."""
+    `mesh_size`: the chips of a tensor-parallel mesh; the plan is then per chip.
+    `prefill_tokens`: the engine's prompt positions a prefill (its workspace)."""
     from .step import Platform, choose
 
     rec = platform if isinstance(platform, Platform) else choose(cfg, platform)
     dtype = dtype or cfg.dtype
-    per_tok = bytes_per_token(cfg, dtype, kv_dtype, mesh_size)
+    per_tok = bytes_per_token(cfg, dtype, kv_dtype, mesh_size, rec.pack)
     weights = weight_bytes(cfg, dtype, mesh_size)
     slots = slot_bytes(cfg, max_batch_size, dtype)
-    work = workspace_bytes(cfg, dtype)
+    work = workspace_bytes(cfg, dtype, prefill_tokens, mesh_size, max_batch_size, kv_dtype)
     row_pages = pages_for(max_context, page_size)
     if kv_cache_tokens is None:
         if rec.host_memory:
@@ -186,6 +250,12 @@ def plan(cfg: MoondreamConfig, *, platform, max_batch_size: int, max_context: in
         raise ValueError(f"kv_cache_tokens must be a positive int, got {kv_cache_tokens!r}")
     usable = pages_for(kv_cache_tokens, page_size)
     n_pages = usable + 1   # page 0: the dummy page
+    if rec.pack > 1:
+        # The TPU layout: pages a multiple of 8, else XLA:TPU lays an 8-bit pool's scales
+        # ([rows, P, 2T], `tpu_attention.scale_shape`) out pages-major (the sublane tile is
+        # 8) and copies them to the kernel's row-major layout and back in every step.
+        n_pages = -(-n_pages // PAGE_MULTIPLE) * PAGE_MULTIPLE
+        usable = n_pages - 1
     if sweep is None:
         sweep = rec.sweeps
     arenas = Arenas.geometric(n_pages, row_pages) if sweep else Arenas((n_pages,))

@@ -142,6 +142,10 @@ class TensorParallel:
         rows = -(-n_kv_heads // self.pack)
         return self.n > 1 and n_kv_heads % self.n == 0 and rows % self.n == 0
 
+    def heads_per_chip(self, n_kv_heads: int) -> int:
+        """The kv heads each chip's pool holds (all of them when they are not split)."""
+        return n_kv_heads // self.n if self.heads_split(n_kv_heads) else n_kv_heads
+
     def pool_spec(self, n_kv_heads: int) -> P:
         # Every pool array ([K, P, T, H] codes, [K, P, T] scales) leads with kv heads.
         return P(AXIS) if self.heads_split(n_kv_heads) else P()

@@ -174,14 +174,19 @@ _READERS = {"xla": (kvpool.sweep_attend, False),
             "pallas-tpu-interpret": (partial(kvpool.tpu_kernel_attend, interpret=True), True)}
 
 
+def chip_kv_heads(kv_heads: int, tp=None) -> int:
+    """The kv heads one chip's pool holds: all of them, or a 1/n share over a mesh that
+    splits the pool by kv heads (`sharding.TensorParallel.heads_split`)."""
+    return kv_heads if tp is None else tp.heads_per_chip(kv_heads)
+
+
 def decode_access(meta_FR, pages_2P, *, attention: str, splits: int = 1,
                   tp=None, kv_heads: int | None = None) -> DecodeAccess:
     """`kv_heads`: the model's (the TPU kernel's reader is bound to those each chip holds:
     a row of its packed pool holds several, an odd count one padded)."""
     attend, scatter = _READERS[attention]
     if attention in TPU_ATTENTION:
-        split = tp is not None and tp.heads_split(kv_heads)
-        attend = partial(attend, n_kv_heads=kv_heads // tp.n if split else kv_heads)
+        attend = partial(attend, n_kv_heads=chip_kv_heads(kv_heads, tp))
     return DecodeAccess(page_R=meta_FR[M_PAGE], off_R=meta_FR[M_OFF],
                         owner_P=pages_2P[P_OWNER], count_P=pages_2P[P_COUNT],
                         pt_RM=meta_FR[M_TABLE:].T, length_R=meta_FR[M_POS] + 1,
@@ -321,10 +326,11 @@ def _write_prefix_pages(pool: KVPool, k_LSKH, v_LSKH, page_S, off_S, *, tp=None)
         return tp.on_pool(lambda pool, kv, rest: _write_prefix_pages(pool, *kv, *rest),
                           k_LSKH.shape[2], pool, (k_LSKH, v_LSKH), (page_S, off_S))
     parts = ([], [], [], [])
+    bound = -(-page_S.shape[0] // pool.page_size) + 2   # consecutive positions, padding
     for li in range(len(pool.k)):
         k, v, ks, vs = pool.layer(li)
-        k, ks = kvpool.write_tokens_q(k, ks, page_S, off_S, k_LSKH[li])
-        v, vs = kvpool.write_tokens_q(v, vs, page_S, off_S, v_LSKH[li])
+        k, ks = kvpool.write_tokens_q(k, ks, page_S, off_S, k_LSKH[li], bound)
+        v, vs = kvpool.write_tokens_q(v, vs, page_S, off_S, v_LSKH[li], bound)
         for part, x in zip(parts, (k, v, ks, vs)):
             part.append(x)
     return KVPool(*(tuple(p) for p in (parts if pool.quantized else parts[:2])))
@@ -376,6 +382,7 @@ class EnginePrograms:
     sample_step: dict
     ceiling: Callable
     attention: str = "xla"   # the decode attention forward and ceiling were built with
+    tp: object = None        # the mesh layout the engine's programs were built for
 
     def sampler(self, stochastic: bool, region: bool) -> Callable:
         return self.sample_step[(stochastic, region)]
@@ -388,15 +395,17 @@ class EnginePrograms:
         if self.attention not in GPU_ATTENTION:
             return 1
         t = self.cfg.text
-        return gpu_attention.plan_splits(lengths, t.n_kv_heads, page_size, sms,
-                                         t.n_heads // t.n_kv_heads)
+        # Programs are (row, kv head, split) triples of the heads each chip holds.
+        return gpu_attention.plan_splits(lengths, chip_kv_heads(t.n_kv_heads, self.tp),
+                                         page_size, sms, t.n_heads // t.n_kv_heads)
 
     def split_variants(self, bucket: int, sms: int | None = None) -> tuple:
         """The `splits` values `decode_splits` can give a step of row bucket `bucket`:
         what the engine compiles before serving."""
         if self.attention not in GPU_ATTENTION:
             return (1,)
-        return gpu_attention.bucket_variants(bucket, self.cfg.text.n_kv_heads, sms)
+        return gpu_attention.bucket_variants(
+            bucket, chip_kv_heads(self.cfg.text.n_kv_heads, self.tp), sms)
 
 
 ATTENTION = ("xla", "cpu-kernel", "pallas", "pallas-interpret", "pallas-tpu",
@@ -578,6 +587,7 @@ def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp) -> Engin
         ceiling=jax.jit(partial(_ceiling, attention=attention, dense=dense, **e),
                         static_argnums=(8,), donate_argnums=(1, 2, 3)),
         attention=attention,
+        tp=tp,
     )
 
 

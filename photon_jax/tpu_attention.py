@@ -45,8 +45,28 @@ Positions past a row's length are masked in the scores, and their V rows zeroed:
 page leaves its buffer holding whatever was there (another row's page, or memory never
 written), and 0 * NaN would be NaN.
 
-8-bit pools are not supported here yet (the scales' [K, P, T] layout has the same lane
-problem); `kvpool` refuses them with this attention.
+8-bit pools (`kv_dtype` "int8" / "float8_e4m3fn", `kvpool.quantize`: a float32 scale per
+kv head and position).  The codes keep the layout above ([K/f, P, T, 128], one byte each),
+so a page of all heads is still one DMA, of half the bytes of bfloat16.  The scales are
+laid out to match (`scale_shape`):
+
+    scales[j, p, s*T + t] = the scale of kv head j*f + s at position t of page p
+
+an array [K/f, P, f*T] float32: the scales of one pool row's page are one row of f*T
+lanes (128 at head dim 64 and pages of 64: no padding, 8 pages to a tile), the array leads
+with the pool rows like the codes (split over a mesh the same way), and a page's scales of
+all rows are one more DMA beside its codes (K with K's, V with V's; 6% of the codes' bytes
+at H = 64).  In VMEM the codes are widened to q's dtype (bfloat16 or float32; exact: int8
+and e4m3 values are bfloat16 values), the block's scales rearranged to [K/f, f, positions]
+(`pltpu.einshape`), and applied where the other attentions of `kvpool` apply them: the K
+scales multiply the scores (a position's scale is a common factor of its dot product), the
+V scales the probabilities.  TPU v5e and v6e have no float8 arithmetic; e4m3 codes are only
+converted (in VMEM, by Mosaic's conversion), never multiplied as float8.  Checked without a
+TPU (deviceless Mosaic compiles, libtpu 0.0.42.1, Moondream 2's shapes, 32 rows): int8 and
+e4m3 pools compile for v5e and v6e at pages of 64, int8 for v5e at pages of 16, 32 and 128
+too (Mosaic's int8 tile is (32, 128): a page of 16 int8 positions is half a tile, relaid by
+Mosaic; the scales of pages under 64 fill under 128 lanes) -- nothing has run on a TPU, so
+the cost of the widening and of those relayouts is unmeasured.
 """
 
 from __future__ import annotations
@@ -103,6 +123,24 @@ def unpack_heads(x_JXTL, n_kv_heads: int, head_dim: int):
     return x.reshape(j * f, *mid, head_dim)[:n_kv_heads]
 
 
+def pack_scales(sc_XK, rows: int, f: int):
+    """Scales [X..., K] -> [rows, X..., f] (f heads a row, a missing last head's scale 1):
+    what `scale_shape`'s lane s*T + t of row j holds for head j*f + s."""
+    *lead, k = sc_XK.shape
+    if rows * f != k:
+        sc_XK = jnp.pad(sc_XK, [(0, 0)] * len(lead) + [(0, rows * f - k)],
+                        constant_values=1.0)
+    return jnp.moveaxis(sc_XK.reshape(*lead, rows, f), -2, 0)
+
+
+def unpack_scales(sc_JXL, n_kv_heads: int, page_size: int):
+    """Gathered scales of the TPU layout [J, X..., f * T] -> [K, X..., T]."""
+    j, *mid, lanes = sc_JXL.shape
+    f = lanes // page_size
+    x = jnp.moveaxis(sc_JXL.reshape(j, *mid, f, page_size), -2, 1)   # [J, f, X..., T]
+    return x.reshape(j * f, *mid, page_size)[:n_kv_heads]
+
+
 def read_bytes(length_R, page_size: int, n_kv_heads: int, head_dim: int, itemsize: int) -> int:
     """K and V bytes the kernel copies from HBM for rows of these lengths: every page
     below each row's length, all heads (the rows of a packed page are whole)."""
@@ -119,6 +157,24 @@ def block_pages(table_width: int, page_size: int, rows: int, lanes: int, itemsiz
     return 1 << (n.bit_length() - 1)
 
 
+def scale_shape(rows: int, pages: int, page_size: int, f: int) -> tuple:
+    """The TPU layout of an 8-bit pool's scales: [rows, P, f * T], the scales of pool row
+    j's f heads on page p in one lane row, head s's T positions in lanes [s*T, (s+1)*T)."""
+    return (rows, pages, f * page_size)
+
+
+# The 8-bit code dtypes the kernel reads: int8, e4m3 (typed, on a TPU), and e4m3 as its
+# bytes (uint8: `kvpool.storage_dtype` on CPU, where the interpreter runs the kernel).
+CODES = ("int8", "float8_e4m3fn", "uint8")
+
+
+def check_8bit(dtype) -> None:
+    """Refuse, by name, 8-bit codes the kernel cannot read (`CODES`)."""
+    name = jnp.dtype(dtype).name
+    if name not in CODES:
+        raise ValueError(f"the TPU kernel reads 8-bit pools of {CODES[:2]}, got {name}")
+
+
 pl = pltpu = None   # bound on first use (`_pallas`): the modules are experimental JAX
 
 
@@ -129,10 +185,24 @@ def _pallas():
     return pl, pltpu
 
 
-def _kernel(len_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sem, slot_ref,
-            m_sc, l_sc, acc_sc, *, per_block: int, width: int, n_rows: int, groups: int,
-            head_dim: int, precision):
-    """One row (grid step r): its pages block by block, all head rows of the pool."""
+def widen(codes, dtype):
+    """8-bit codes as `dtype` (through float32; e4m3 bytes reinterpreted first)."""
+    if codes.dtype == jnp.uint8:
+        codes = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    return codes.astype(F32).astype(dtype)
+
+
+def _kernel(len_ref, pt_ref, q_ref, *refs, per_block: int, width: int, n_rows: int,
+            groups: int, head_dim: int, precision, quantized: bool, compute):
+    """One row (grid step r): its pages block by block, all head rows of the pool.  An
+    8-bit pool (`quantized`) also copies each page's scales and dequantizes in VMEM."""
+    if quantized:
+        (k_hbm, v_hbm, ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sem, slot_ref,
+         m_sc, l_sc, acc_sc) = refs
+        hbm, bufs = (k_hbm, v_hbm, ks_hbm, vs_hbm), (k_buf, v_buf, ks_buf, vs_buf)
+    else:
+        k_hbm, v_hbm, o_ref, k_buf, v_buf, sem, slot_ref, m_sc, l_sc, acc_sc = refs
+        hbm, bufs = (k_hbm, v_hbm), (k_buf, v_buf)
     r = pl.program_id(0)
     n_heads, _, page, lanes = k_buf.shape[1:]
     f = lanes // head_dim
@@ -143,27 +213,27 @@ def _kernel(len_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sem, slot
         return jnp.maximum(1, (len_ref[row] + bk - 1) // bk)
 
     def copies(row, block, slot):
-        """The DMAs of one block: (live, K copy, V copy) per page slot."""
+        """The DMAs of one block: (live, [K, V (, K scales, V scales)] copies) per page
+        slot (K and its scales signal one semaphore, V and its scales the other)."""
         live_pages = (len_ref[row] + page - 1) // page
         out = []
         for j in range(per_block):
             idx = block * per_block + j
             pg = pt_ref[row * width + jnp.minimum(idx, width - 1)]
             out.append((idx < live_pages,
-                        pltpu.make_async_copy(k_hbm.at[:, pg], k_buf.at[slot, :, j],
-                                              sem.at[0, slot]),
-                        pltpu.make_async_copy(v_hbm.at[:, pg], v_buf.at[slot, :, j],
-                                              sem.at[1, slot])))
+                        [pltpu.make_async_copy(src.at[:, pg], dst.at[slot, :, j],
+                                               sem.at[i % 2, slot])
+                         for i, (src, dst) in enumerate(zip(hbm, bufs))]))
         return out
 
     def each_live(row, block, slot, op):
-        """`op` on the K and V copy of each live page of a block (pages past the row's
-        length are never copied)."""
-        for live, ck, cv in copies(row, block, slot):
+        """`op` on every copy of each live page of a block (pages past the row's length
+        are never copied)."""
+        for live, cs in copies(row, block, slot):
             @pl.when(live)
             def _():
-                op(ck)
-                op(cv)
+                for c in cs:
+                    op(c)
 
     def start(row, block, slot):
         each_live(row, block, slot, lambda c: c.start())
@@ -182,6 +252,23 @@ def _kernel(len_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sem, slot
     length = len_ref[r]
     nb = n_blocks(r)
     first = slot_ref[0]
+    n_q = f * groups
+
+    def per_query_row(sc_JSB):
+        """Page scales [J, f, bk] -> [J, f*G, bk]: query row i takes head i // G's."""
+        row = jax.lax.broadcasted_iota(jnp.int32, (n_heads, n_q, bk), 1)
+        out = jnp.zeros((n_heads, n_q, bk), F32)
+        for s_ in range(f):
+            out = jnp.where(row // groups == s_,
+                            jnp.broadcast_to(sc_JSB[:, s_:s_ + 1, :], out.shape), out)
+        return out
+
+    def scales(buf, slot):
+        """A block's scales as [J, f*G, bk]: the buffer holds [J, pages, f*T] (head s's
+        T positions in lanes [s*T, (s+1)*T) of a page's row)."""
+        sc = buf[slot]                                               # [J, per_block, f*T]
+        sc = pltpu.einshape("jb(st)->js(bt)", sc, s=f)               # [J, f, bk]
+        return per_query_row(sc)
 
     def block_body(i, carry):
         slot = (first + i) % 2
@@ -204,9 +291,13 @@ def _kernel(len_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sem, slot
         q = q_ref[...]                                               # [J, f*G, lanes]
         k = k_buf[slot].reshape(n_heads, bk, lanes)
         v = v_buf[slot].reshape(n_heads, bk, lanes)
+        if quantized:   # codes -> the compute dtype (exact: int8, e4m3 fit bfloat16)
+            k, v = widen(k, compute), widen(v, compute)
         v = jnp.where(pos_S1[None] < length, v, jnp.zeros_like(v))
         s = jax.lax.dot_general(q, k, (((2,), (2,)), ((0,), (0,))), precision=precision,
                                 preferred_element_type=F32)          # [J, f*G, bk]
+        if quantized:   # a position's K scale is a common factor of its scores
+            s = s * scales(ks_buf, slot)
         s = jnp.where(pos_S[None] < length, s, MASK)
         m_prev, l_prev = m_sc[...], l_sc[...]                        # [J, f*G, 128]
         m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
@@ -214,6 +305,8 @@ def _kernel(len_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sem, slot
         p = jnp.exp(s - m_new[..., :1])
         m_sc[...] = m_new
         l_sc[...] = alpha * l_prev + p.sum(axis=-1, keepdims=True)
+        if quantized:   # ... and its V scale of its probability (masked: stale buffers)
+            p = p * jnp.where(pos_S[None] < length, scales(vs_buf, slot), 0.0)
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((2,), (1,)), ((0,), (0,))),
                                  precision=precision, preferred_element_type=F32)
         acc_sc[...] = alpha[..., :1] * acc_sc[...] + pv
@@ -238,11 +331,16 @@ def _kernel(len_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sem, slot
 
 
 def attend(k_pool, v_pool, q_RQH, pt_RM, length_R, *, n_kv_heads: int,
-           interpret: bool | str = False):
+           ks_pool=None, vs_pool=None, interpret: bool | str = False):
     """Decode attention of one query per row over its pages: q [R, Q, H] (unscaled), pools
     [ceil(K / f), P, T, f * H] (`pack`), page tables [R, M] (global page ids) and lengths
     [R] -> [R, Q * H] in q's dtype.  Scores and softmax in float32; the products take the
     pool's dtype (float32 pools: full float32 precision).
+
+    An int8 pool comes with its scales `ks_pool`, `vs_pool` [ceil(K / f), P, f * T] float32
+    (`scale_shape`): the codes are copied as bytes and widened in VMEM to q's dtype (exact),
+    the K scales multiply the scores and the V scales the probabilities; the products then
+    take q's dtype (float32: full precision).
 
     `interpret`: False (Mosaic, a TPU), True (Pallas's HLO interpreter: the engine's
     "pallas-tpu-interpret", one XLA program), or "strict" (the TPU interpreter --
@@ -255,12 +353,21 @@ def attend(k_pool, v_pool, q_RQH, pt_RM, length_R, *, n_kv_heads: int,
     if rows * f < n_kv_heads or n_q % n_kv_heads:
         raise ValueError(f"pool rows {k_pool.shape} do not hold {n_kv_heads} kv heads of "
                          f"dim {h} for {n_q} query heads")
+    quantized = ks_pool is not None
+    dtype = k_pool.dtype
+    if quantized:
+        check_8bit(dtype)
+        if ks_pool.shape != scale_shape(rows, n_pages, page, f):
+            raise ValueError(f"scales {ks_pool.shape} do not match the pool {k_pool.shape}")
+    elif jnp.dtype(dtype).itemsize == 1:
+        raise ValueError(f"an 8-bit pool ({jnp.dtype(dtype).name}) needs its scales")
     g = n_q // n_kv_heads
     width = pt_RM.shape[1]
-    dtype = k_pool.dtype
-    itemsize = jnp.dtype(dtype).itemsize
-    per_block = block_pages(width, page, rows, lanes, itemsize)
-    precision = jax.lax.Precision.HIGHEST if itemsize >= 4 else None
+    # The products' dtype: the pool's, or q's for 8-bit codes (widened in VMEM).
+    compute = jnp.dtype(q_RQH.dtype) if quantized else jnp.dtype(dtype)
+    # (8-bit pages: blocks sized as pages of q's dtype, the form they are widened to.)
+    per_block = block_pages(width, page, rows, lanes, compute.itemsize)
+    precision = jax.lax.Precision.HIGHEST if compute.itemsize >= 4 else None
 
     # Queries scaled in float32, then block-diagonal per pool row: query row s*G + g of row
     # j is query head (j*f + s)*G + g, its H values in lanes [s*H, (s+1)*H).
@@ -268,23 +375,26 @@ def attend(k_pool, v_pool, q_RQH, pt_RM, length_R, *, n_kv_heads: int,
     q = jnp.pad(q, ((0, 0), (0, rows * f - n_kv_heads), (0, 0), (0, 0)))
     q = q.reshape(r, rows, f, g, h)
     q = jnp.einsum("rjsgh,st->rjsgth", q, jnp.eye(f, dtype=F32))
-    q = q.reshape(r, rows, f * g, lanes).astype(dtype)
+    q = q.reshape(r, rows, f * g, lanes).astype(compute)
 
     kernel = functools.partial(_kernel, per_block=per_block, width=width, n_rows=r,
-                               groups=g, head_dim=h, precision=precision)
+                               groups=g, head_dim=h, precision=precision,
+                               quantized=quantized, compute=compute)
     row_block = lambda b, *_: (b, 0, 0, 0)  # noqa: E731
+    pools = (k_pool, v_pool) + ((ks_pool, vs_pool) if quantized else ())
+    bufs = [pltpu_.VMEM((2, rows, per_block, page, lanes), dtype)] * 2
+    if quantized:
+        bufs += [pltpu_.VMEM((2, rows, per_block, f * page), F32)] * 2
     out = pl_.pallas_call(
         kernel,
         grid_spec=pltpu_.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(r,),
-            in_specs=[pl_.BlockSpec((None, rows, f * g, lanes), row_block),
-                      pl_.BlockSpec(memory_space=pl_.ANY),
-                      pl_.BlockSpec(memory_space=pl_.ANY)],
+            in_specs=[pl_.BlockSpec((None, rows, f * g, lanes), row_block)]
+            + [pl_.BlockSpec(memory_space=pl_.ANY)] * len(pools),
             out_specs=pl_.BlockSpec((None, rows, g, lanes), row_block),
             scratch_shapes=[
-                pltpu_.VMEM((2, rows, per_block, page, lanes), dtype),
-                pltpu_.VMEM((2, rows, per_block, page, lanes), dtype),
+                *bufs,
                 pltpu_.SemaphoreType.DMA((2, 2)),
                 pltpu_.SMEM((1,), jnp.int32),
                 pltpu_.VMEM((rows, f * g, LANES), F32),
@@ -295,7 +405,7 @@ def attend(k_pool, v_pool, q_RQH, pt_RM, length_R, *, n_kv_heads: int,
         compiler_params=pltpu_.CompilerParams(dimension_semantics=("arbitrary",)),
         out_shape=jax.ShapeDtypeStruct((r, rows, g, lanes), F32),
         interpret=(pltpu_.InterpretParams() if interpret == "strict" else bool(interpret)),
-    )(length_R.astype(jnp.int32), pt_RM.astype(jnp.int32).reshape(-1), q, k_pool, v_pool)
+    )(length_R.astype(jnp.int32), pt_RM.astype(jnp.int32).reshape(-1), q, *pools)
     out = out.reshape(r, rows, g, f, h).transpose(0, 1, 3, 2, 4)
     out = out.reshape(r, rows * f, g, h)[:, :n_kv_heads]
     return out.reshape(r, n_q * h).astype(q_RQH.dtype)

@@ -147,20 +147,24 @@ def main() -> None:
     elif CASE == "tpu":
         # The TPU kernel (under the Pallas interpreter) over its packed pool, split by kv
         # heads: 2 heads per pool row, 2 rows per chip.
+        # An int8 pool too: its scales [rows, P, 2T] split with the codes.
         md2 = with_heads(Model.load(MD2), 4 * DEVICES, 4 * DEVICES, 14)
         res, shapes = [], []
-        for m in (Model(md2.cfg, md2.params, md2.prompts.tok, attention="xla"),
-                  Model(md2.cfg, md2.params, md2.prompts.tok, mesh=MESH,
-                        attention="pallas-tpu-interpret")):
-            md = Moondream(m, Engine(m, max_batch_size=4))
-            try:
-                pool = md.engine.dev.pool.k[0][0]
-                shapes.append([list(pool.shape), list(pool.addressable_shards[0].data.shape)])
-                res.append([md.caption(LAND, "short", settings=GREEDY),
-                            md.query(SQ, "w5 w6", settings=GREEDY),
-                            md.caption([LAND, SQ, LAND], "short", settings=GREEDY)])
-            finally:
-                md.engine.close()
+        for kv in (None, "int8"):
+            for m in (Model(md2.cfg, md2.params, md2.prompts.tok, attention="xla"),
+                      Model(md2.cfg, md2.params, md2.prompts.tok, mesh=MESH,
+                            attention="pallas-tpu-interpret")):
+                md = Moondream(m, Engine(m, max_batch_size=4, kv_dtype=kv))
+                try:
+                    pool = md.engine.dev.pool
+                    arrays = [pool.k[0][0]] + ([pool.ks[0][0]] if kv else [])
+                    shapes.append([[list(a.shape), list(a.addressable_shards[0].data.shape)]
+                                   for a in arrays])
+                    res.append([md.caption(LAND, "short", settings=GREEDY),
+                                md.query(SQ, "w5 w6", settings=GREEDY),
+                                md.caption([LAND, SQ, LAND], "short", settings=GREEDY)])
+                finally:
+                    md.engine.close()
         out["tpu"] = res
         out["tpu_pool"] = shapes
     elif CASE == "load":

@@ -170,6 +170,24 @@ def test_every_planned_split_is_one_the_engine_compiled():
     assert total == 16
 
 
+def test_the_split_plan_over_a_mesh_counts_each_chips_kv_heads():
+    """Over a mesh that splits the pool by kv heads, a chip's kernel runs (row, head, split)
+    programs for its own heads: the plan is given K / n heads (more splits), the same as
+    one chip holding K / n heads; heads that do not divide stay whole."""
+    from photon_jax import sharding
+
+    cfg = moondream2()
+    tp = sharding.TensorParallel(jax.sharding.AbstractMesh((4,), (sharding.AXIS,)))
+    one, four = step_mod.build(cfg, "pallas"), step_mod.build(cfg, "pallas", tp=tp)
+    assert tp.heads_per_chip(32) == 8 and tp.heads_per_chip(6) == 6
+    for rows, length in ((32, 2048), (8, 1024), (2, 2048)):
+        lengths = [length] * rows
+        assert four.decode_splits(lengths, 64) == ga.plan_splits(lengths, 8, 64)
+        assert one.decode_splits(lengths, 64) == ga.plan_splits(lengths, 32, 64)
+    assert four.decode_splits([1024] * 8, 64) > one.decode_splits([1024] * 8, 64)
+    assert four.split_variants(8) == ga.bucket_variants(8, 8)
+
+
 def test_other_attentions_take_one_split(tiny_ckpt):
     """The CPU's attentions have one decode program: their plan is always 1 split."""
     base = biased_model(tiny_ckpt, {})

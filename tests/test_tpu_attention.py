@@ -135,18 +135,112 @@ def test_the_tpu_layout_round_trips_through_the_pool_writes_and_gathers():
             assert not np.asarray(arena)[..., 64:].any()
 
 
-def test_an_8bit_pool_in_the_tpu_layout_is_refused_by_name():
-    """The TPU kernel reads unquantized pools only: an 8-bit pool in its layout is refused
-    at creation, naming kv_dtype and the way out, not mid-step."""
-    with pytest.raises(ValueError, match="kv_dtype='int8'.*unquantized.*attention='xla'"):
-        kvpool.init_pool(tiny().text, (4,), 16, "int8", pack=2)
-    assert kvpool.init_pool(tiny().text, (4,), 16, "int8").quantized   # elsewhere: fine
+def quantized(x_KPTH, fmt):
+    """(codes [K, P, T, H] as the pool stores them on CPU, scales [K, P, T], the dequantized
+    values in float64)."""
+    codes, sc = kvpool.quantize(jnp.asarray(x_KPTH), fmt)
+    codes = kvpool.as_storage(codes, kvpool.storage_dtype(fmt, "cpu"))
+    deq = np.asarray(kvpool.as_format(codes).astype(jnp.float32), np.float64) * \
+        np.asarray(sc, np.float64)[..., None]
+    return codes, sc, deq
 
 
-def test_the_engine_on_the_tpu_kernel_equals_the_default_attention(tiny_ckpt):
+def packed_scales(sc_KPT, f):
+    """[K, P, T] scales in the TPU layout [ceil(K / f), P, f * T] (`ta.scale_shape`)."""
+    k, p, t = sc_KPT.shape
+    rows = -(-k // f)
+    x = ta.pack_scales(jnp.asarray(sc_KPT).transpose(1, 2, 0), rows, f)   # [rows, P, T, f]
+    return x.transpose(0, 1, 3, 2).reshape(rows, p, f * t)
+
+
+@pytest.mark.parametrize("n_kv, groups, fmt, qdtype, tol", [
+    (2, 1, "int8", "float32", 2e-6),          # MHA
+    (3, 2, "int8", "float32", 2e-6),          # GQA, an odd head count (a padded head)
+    (4, 2, "int8", "bfloat16", 2e-2),         # the products in bfloat16
+    (2, 1, "float8_e4m3fn", "float32", 2e-6),  # e4m3 (stored as bytes on CPU)
+])
+def test_the_kernel_reads_8bit_pages_and_matches_float64_attention(n_kv, groups, fmt, qdtype,
+                                                                   tol):
+    """An 8-bit pool in the TPU layout, scales [rows, P, 2 * T]: the kernel's attention
+    equals float64 attention over the dequantized pool (ragged rows, two rows sharing
+    pages), the products in q's dtype."""
+    k, v, q, pt, length = case(n_kv, groups, "float32", page=32, n_pages=12, width=3)
+    (kc, ksc, kd), (vc, vsc, vd) = quantized(k, fmt), quantized(v, fmt)
+    got = ta.attend(jnp.asarray(packed(np.asarray(kc), 128)),
+                    jnp.asarray(packed(np.asarray(vc), 128)),
+                    jnp.asarray(q, qdtype), jnp.asarray(pt), jnp.asarray(length),
+                    n_kv_heads=n_kv, ks_pool=packed_scales(ksc, 2),
+                    vs_pool=packed_scales(vsc, 2), interpret="strict")
+    assert got.dtype == jnp.dtype(qdtype) and got.shape == (len(length), n_kv * groups * 64)
+    q64 = np.asarray(jnp.asarray(q, qdtype).astype(jnp.float32))
+    want = attention64(kd, vd, q64, pt, length)
+    err = np.abs(np.asarray(got, np.float64) - want)
+    assert err.max() < tol and err.mean() < tol / 4, err.max()
+
+
+def test_8bit_codes_and_scales_round_trip_through_the_tpu_layout():
+    """`kvpool.write_tokens_q` into an int8 pool in the TPU layout (three heads: one padded)
+    puts each head's scale at lane s*T + offset of its page's row, and the prefill gather
+    reads back what `quantize` gave; a page copy moves the scales with the codes."""
+    cfg = tiny().text
+    c = type(cfg)(**{**cfg.__dict__, "n_heads": 3, "n_kv_heads": 3, "dim": 192})
+    pool = kvpool.init_pool(c, (6,), 32, "int8", pack=2)
+    assert pool.k[0][0].shape == (2, 6, 32, 128) and pool.ks[0][0].shape == (2, 6, 64)
+    x = np.random.default_rng(2).standard_normal((3, 3, 64)).astype(np.float32)
+    page, off = np.array([2, 5, 2]), np.array([0, 7, 31])
+    (arena,), (sc,) = kvpool.write_tokens_q(pool.k[0], pool.ks[0], page, off, jnp.asarray(x))
+    codes, want_sc = kvpool.quantize(jnp.asarray(x), "int8")
+    sc_np = np.asarray(sc)
+    np.testing.assert_array_equal(sc_np[1, 5, 7], want_sc[1, 2])          # head 2: row 1, s 0
+    np.testing.assert_array_equal(sc_np[0, 2, 32 + 31], want_sc[2, 1])    # head 1: row 0, s 1
+    assert sc_np[1, 5, 32 + 7] == 1.0                                      # the padded head
+    g = ta.unpack_heads(kvpool.gather_pages((arena,), jnp.asarray([[2, 5]])), 3, 64)
+    gs = ta.unpack_scales(kvpool.gather_pages((sc,), jnp.asarray([[2, 5]])), 3, 32)
+    assert gs.shape == (3, 1, 2, 32)
+    deq = np.asarray(kvpool.dequantize(g, gs))
+    np.testing.assert_array_equal(deq[:, 0, 1, 7], np.asarray(kvpool.dequantize(codes, want_sc))[1])
+    (moved,) = kvpool.write_pages((sc,), jnp.asarray([3]), kvpool.gather_pages((sc,), jnp.asarray([5])))
+    np.testing.assert_array_equal(np.asarray(moved)[:, 3], sc_np[:, 5])
+    # A decode step's row updates (`write_rows`) write what the scatter writes.
+    page, off = np.array([2, 5, 4]), np.array([0, 7, 31])
+    (a, _, s_, _) = kvpool.write_rows(pool.k[0], pool.v[0], page, off, jnp.asarray(x),
+                                      jnp.asarray(x), pool.ks[0], pool.vs[0])
+    (want_a,), (want_s,) = kvpool.write_tokens_q(pool.k[0], pool.ks[0], page, off,
+                                                 jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(want_a))
+    np.testing.assert_array_equal(np.asarray(s_[0]), np.asarray(want_s))
+
+
+def test_the_memory_plan_counts_the_8bit_tpu_pool():
+    """On TPU ("pallas-tpu", the packed layout) an int8 pool costs 68 bytes per head and
+    position against bfloat16's 128: the plan fits about 1.8x the tokens on a 16 GiB chip
+    (1.88x the bytes' ratio, less its larger prefill workspace); an odd head count pays for
+    its padded head."""
+    from photon_jax import memory, step
+    from photon_jax.config import moondream2
+
+    cfg = moondream2("bfloat16")
+    plat = step.choose(cfg, "tpu", "pallas-tpu")
+    kw = dict(platform=plat, max_batch_size=32, max_context=2048, page_size=64,
+              free=16 << 30)
+    base, q8 = memory.plan(cfg, **kw), memory.plan(cfg, kv_dtype="int8", **kw)
+    assert memory.bytes_per_token(cfg, kv_dtype="int8", pack=2) == 24 * 2 * 32 * (64 + 4)
+    assert 1.75 < q8.kv_cache_tokens / base.kv_cache_tokens < 1.9
+    # The same room, less the 8-bit prefill's larger workspace (its dequantized view).
+    room = lambda p: p.pool + memory.GPU_POOL_SHARE * p.workspace  # noqa: E731
+    assert q8.workspace > base.workspace
+    assert abs(room(q8) - room(base)) <= memory.bytes_per_token(cfg) * 64 * 9
+    t = tiny().text   # one kv head: a pool row holds it and a zero head
+    assert memory.bytes_per_token(tiny(), kv_dtype="int8", pack=2) == \
+        2 * memory.bytes_per_token(tiny(), kv_dtype="int8") == 2 * 2 * t.n_layers * 68
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_the_engine_on_the_tpu_kernel_equals_the_default_attention(tiny_ckpt, kv_dtype):
     """The engine on "pallas-tpu-interpret" (the pool in the TPU layout: the tiny model's one
     kv head padded to a pair) gives the tokens of the default attention: captions with a
-    prefix-cache hit (shared pages read in place), sampled and greedy, a text-only prompt."""
+    prefix-cache hit (shared pages read in place), sampled and greedy, a text-only prompt;
+    with an int8 pool too (the same codes and scales, in the TPU layout)."""
     base = biased_model(tiny_ckpt, {0: 0.8})
     model = Model(base.cfg, base.params, base.prompts.tok, attention="pallas-tpu-interpret")
     pr = model.prompts
@@ -158,7 +252,8 @@ def test_the_engine_on_the_tpu_kernel_equals_the_default_attention(tiny_ckpt):
             Request("text", [0] + pr.query("w90"), None, greedy)]
 
     def run(m):
-        eng = Engine(m, max_batch_size=4, max_context=800, page_size=32)
+        eng = Engine(m, max_batch_size=4, max_context=800, page_size=32,
+                     kv_dtype=kv_dtype)
         try:
             shape = eng.dev.pool.k[0][0].shape
             return [h.result(timeout=600)["ids"] for h in [eng.submit(r) for r in reqs]], shape
