@@ -125,7 +125,7 @@ def kernel_rows(device, kv_dtypes=tuple(KERNEL_DTYPES)):
         if kv in ("int8", "float8_e4m3fn"):
             sc = jax.ShapeDtypeStruct((kv_heads, pages, page), jnp.float32)
             fn = jax.jit(lambda k, v, q, t, n, ks, vs: ga.attend(
-                k, v, q, t, n, splits=splits, ks_KPT=ks, vs_KPT=vs))
+                k, v, q, t, n, splits=splits, ks_KPB=ks, vs_KPB=vs))
             args += [sc, sc]
         else:
             fn = jax.jit(lambda k, v, q, t, n: ga.attend(k, v, q, t, n, splits=splits))

@@ -143,18 +143,18 @@ def reason() -> str:
     return _state.get("reason", "")
 
 
-def attend(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R, ks_KPT=None, vs_KPT=None):
+def attend(k_KPBH, v_KPBH, q_RQH, pt_RM, length_R, ks_KPB=None, vs_KPB=None):
     """[R, Q, H] in q's dtype: each row's query heads against its pages pt_RM[r, :] up to
     length_R[r] positions (0: a padding row, output zeros).  Pages are indices into the one
-    arena given.  8-bit pages (int8, float8_e4m3fn) come with their float32 scales [K, P, T]
+    arena given.  8-bit pages (int8, float8_e4m3fn) come with their float32 scales [K, P, B]
     (the kernel widens code x scale as it reads).  Must run on CPU; call `load()` first (the
     engine's program builder does)."""
     if not load():
         raise RuntimeError(f"the CPU paged-attention kernel is not available: {reason()}")
-    if ks_KPT is None:   # float32 / bfloat16 pages: empty scales, never read
-        ks_KPT = vs_KPT = jnp.zeros((0,), F32)
+    if ks_KPB is None:   # float32 / bfloat16 pages: empty scales, never read
+        ks_KPB = vs_KPB = jnp.zeros((0,), F32)
     out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_RQH.shape, F32))(
-        q_RQH.astype(F32), k_KPTH, v_KPTH, ks_KPT, vs_KPT, pt_RM.astype(jnp.int32),
+        q_RQH.astype(F32), k_KPBH, v_KPBH, ks_KPB, vs_KPB, pt_RM.astype(jnp.int32),
         length_R.astype(jnp.int32), scale=np.float32(q_RQH.shape[-1] ** -0.5))
     return out.astype(q_RQH.dtype)
 

@@ -11,7 +11,7 @@ batch with `jax.vmap`.  Nothing here calls `jax.jit`; these wrap the model modul
 engine and the oracle.
 
 The cache is a `text.KVCache` of one sequence, k and v [L, S, K, H] each: position p of the
-sequence at index p.  Axis letters (docs/architecture.md) plus: C crops, P image patches
+sequence at index p.  Axis letters (docs/architecture.md) plus: C crops, Z image patches
 (729), N generated tokens.
 
     import jax, jax.numpy as jnp
@@ -23,8 +23,8 @@ sequence at index p.  Axis letters (docs/architecture.md) plus: C crops, P image
 
     @jax.jit
     def caption(params, crops, src, ph, pw, prompt_T):
-        img_PD = F.encode_image(params, cfg, crops, src, ph, pw)
-        x_TD = F.prompt_embeddings(params, cfg, img_PD, prompt_T)
+        img_ZD = F.encode_image(params, cfg, crops, src, ph, pw)
+        x_TD = F.prompt_embeddings(params, cfg, img_ZD, prompt_T)
         logits_V, _, cache = F.prefill(params, cfg, x_TD, cache_len=x_TD.shape[0] + 20)
         return F.generate(params, cfg, logits_V, cache, x_TD.shape[0], max_tokens=20)
 
@@ -57,7 +57,7 @@ def image_inputs(cfg: MoondreamConfig, img):
 
 
 def encode_image(params, cfg: MoondreamConfig, crops_CHWc, src_HW, ph_GH, pw_GW):
-    """Vision encoder + projection: -> img_PD, the image embeddings [P, D]."""
+    """Vision encoder + projection: -> img_ZD, the image embeddings [Z, D]."""
     return vision.encode_image(params, crops_CHWc, src_HW, ph_GH, pw_GW, cfg=cfg)[1]
 
 
@@ -66,10 +66,10 @@ def embed_tokens(params, cfg: MoondreamConfig, ids):
     return text.embed_tokens(params["text"], ids).astype(jnp_dtype(cfg.dtype))
 
 
-def prompt_embeddings(params, cfg: MoondreamConfig, img_PD, ids_T):
-    """BOS + image embeddings + prompt tokens: [1 + P + T, D], the input of `prefill` (its
-    first `cfg.prefix_len` = 1 + P positions are the bidirectional image prefix)."""
-    prefix = text.image_prefix(params, img_PD, cfg=cfg)[0]
+def prompt_embeddings(params, cfg: MoondreamConfig, img_ZD, ids_T):
+    """BOS + image embeddings + prompt tokens: [1 + Z + T, D], the input of `prefill` (its
+    first `cfg.prefix_len` = 1 + Z positions are the bidirectional image prefix)."""
+    prefix = text.image_prefix(params, img_ZD, cfg=cfg)[0]
     return jnp.concatenate([prefix, embed_tokens(params, cfg, ids_T)], axis=0)
 
 

@@ -192,24 +192,24 @@ def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, splits: int, per: int,
         pl.when(first < last)(run)
 
 
-def attend(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R, *, splits: int = 1,
-           interpret: bool = False, ks_KPT=None, vs_KPT=None):
+def attend(k_KPBH, v_KPBH, q_RQH, pt_RM, length_R, *, splits: int = 1,
+           interpret: bool = False, ks_KPB=None, vs_KPB=None):
     """[R, Q*H]: each row's queries q_RQH (Q = K * G heads) against its first length_R
     positions, read through its page table pt_RM from one arena of the pool, in `splits`
-    splits (static: one of `SPLITS`).  8-bit pools pass their scales ks/vs [K, P, T]
+    splits (static: one of `SPLITS`).  8-bit pools pass their scales ks/vs [K, P, B]
     (codes as stored: e4m3 bytes are reinterpreted).  `interpret`: the Pallas interpreter
     (CPU tests) instead of Triton."""
     r, nq, dim = q_RQH.shape
-    out = kernel(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R, splits=splits, interpret=interpret,
-                 ks_KPT=ks_KPT, vs_KPT=vs_KPT)
+    out = kernel(k_KPBH, v_KPBH, q_RQH, pt_RM, length_R, splits=splits, interpret=interpret,
+                 ks_KPB=ks_KPB, vs_KPB=vs_KPB)
     if splits > 1:
         out = combine(*out, length_R.astype(jnp.int32),
-                      per_step(k_KPTH.shape[2], nq // k_KPTH.shape[0]) * k_KPTH.shape[2])
+                      per_step(k_KPBH.shape[2], nq // k_KPBH.shape[0]) * k_KPBH.shape[2])
     return out.reshape(r, nq * dim).astype(q_RQH.dtype)
 
 
-def kernel(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R, *, splits: int = 1,
-           interpret: bool = False, ks_KPT=None, vs_KPT=None):
+def kernel(k_KPBH, v_KPBH, q_RQH, pt_RM, length_R, *, splits: int = 1,
+           interpret: bool = False, ks_KPB=None, vs_KPB=None):
     """The kernel's own outputs (arguments as `attend`): S = 1, the attention [R, K, G, H]
     in q's dtype; S > 1, the partials (o [R, K, S, G, H], max and sum [R, K, S, G], float32),
     the slots of empty splits left as they were (never written)."""
@@ -217,15 +217,15 @@ def kernel(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R, *, splits: int = 1,
         raise ValueError(f"splits must be one of {SPLITS}, got {splits!r}")
     pl, plgpu = compat.pallas_triton()
     r, nq, dim = q_RQH.shape
-    kh, p_n, page, _ = k_KPTH.shape
+    kh, p_n, page, _ = k_KPBH.shape
     group = nq // kh
     if group * kh != nq or group & (group - 1):
         raise ValueError(f"{nq} query heads on {kh} KV heads: the kernel takes a power-of-2 "
                          "group of queries per KV head")
-    quantized = ks_KPT is not None
-    if quantized and k_KPTH.dtype == jnp.uint8:   # e4m3 codes as a CPU pool stores them
-        k_KPTH, v_KPTH = (jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
-                          for x in (k_KPTH, v_KPTH))
+    quantized = ks_KPB is not None
+    if quantized and k_KPBH.dtype == jnp.uint8:   # e4m3 codes as a CPU pool stores them
+        k_KPBH, v_KPBH = (jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
+                          for x in (k_KPBH, v_KPBH))
     per = per_step(page, group)
     # The table padded to whole steps: a step's gather of `per` entries stays inside it
     # (entries past a row's pages read page 0, whose positions are masked).
@@ -241,10 +241,10 @@ def kernel(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R, *, splits: int = 1,
                 row(None, pt.shape[1]),
                 pl.BlockSpec((None, None, group, dim), lambda i, j, s: (i, j, 0, 0)),
                 head(None, p_n, page, dim), head(None, p_n, page, dim)]
-    args = [lengths, pt, q, k_KPTH, v_KPTH]
+    args = [lengths, pt, q, k_KPBH, v_KPBH]
     if quantized:
         in_specs += [head(None, p_n, page), head(None, p_n, page)]
-        args += [ks_KPT.astype(F32), vs_KPT.astype(F32)]
+        args += [ks_KPB.astype(F32), vs_KPB.astype(F32)]
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((r, kh, group, dim), q_RQH.dtype)
         out_specs = pl.BlockSpec((None, None, group, dim), lambda i, j, s: (i, j, 0, 0))
@@ -260,7 +260,7 @@ def kernel(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R, *, splits: int = 1,
         partial(_kernel, splits=splits, per=per, quantized=quantized),
         grid=(r, kh, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         interpret=interpret,
-        name=f"photon_decode_attention_s{splits}_p{per}_{k_KPTH.dtype.name}_{q_RQH.dtype.name}",
+        name=f"photon_decode_attention_s{splits}_p{per}_{k_KPBH.dtype.name}_{q_RQH.dtype.name}",
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
     )(*args)
     return out

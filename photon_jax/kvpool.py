@@ -2,9 +2,9 @@
 reads it where it lies.  (Which page belongs to whom is host bookkeeping: `pages.py`.)
 
 Layout.  K and V are kept per layer and per *arena*: `pool.k[l][a]` is one array
-[K, Pa, T, H] (kv heads, pages of the arena, positions in a page, head dim).  A page holds
-`T` consecutive positions of one sequence, page j of a sequence its positions
-[j*T, (j+1)*T).  Global page id g lives in arena g // Pa at index g % Pa.  Page 0 is never
+[K, Pa, B, H] (kv heads, pages of the arena, positions in a page, head dim).  A page holds
+`B` consecutive positions of one sequence, page j of a sequence its positions
+[j*B, (j+1)*B).  Global page id g lives in arena g // Pa at index g % Pa.  Page 0 is never
 handed out: padding rows and padding positions write there, so they corrupt nothing.
 
 Why per-layer arrays, and arenas.  On XLA:CPU any slice of a bigger array that feeds a dot is
@@ -30,7 +30,7 @@ prefill numerics are exactly the one-request path's.
 
 8-bit pools (`kv_dtype` "int8" / "float8_e4m3fn"; default: the model's dtype, unquantized).
 K and V are stored as 8-bit codes with one float32 scale per (kv head, position): `ks[l][a]`
-/ `vs[l][a]` of shape [K, Pa, T] beside the [K, Pa, T, H] codes (the layout JAX's Pallas
+/ `vs[l][a]` of shape [K, Pa, B] beside the [K, Pa, B, H] codes (the layout JAX's Pallas
 kernel took as `k_scales_pages` / `v_scales_pages`; `gpu_attention` reads the same).  The
 scale is the absmax of that head's H-vector over the format's largest value (127, or 448
 for e4m3), so the vector's largest element is represented exactly and the rest to the format's resolution.  Why per
@@ -47,17 +47,17 @@ bytes (uint8) on CPU, typed float8 elsewhere (`storage_dtype`: XLA:CPU emulates 
 converting whole operands).
 
 TPU layout (`pack` > 1, the "pallas-tpu" attention).  A TPU tiles the last two dims of an
-array by (sublanes, 128 lanes), and a [K, P, T, 64] pool fits its tiles badly (see
+array by (sublanes, 128 lanes), and a [K, P, B, 64] pool fits its tiles badly (see
 `tpu_attention`), so the pool that attention reads puts `pack` = 128 // H kv heads side by
-side: [ceil(K / pack), P, T, pack * H], head j*pack + s in lanes [s*H, (s+1)*H) of row j.
+side: [ceil(K / pack), P, B, pack * H], head j*pack + s in lanes [s*H, (s+1)*H) of row j.
 The writes pack the heads (`tpu_attention.pack_heads`), the prefill gather unpacks them,
 and page copies move whole rows either way.  An 8-bit pool's scales are [ceil(K / pack),
-P, pack * T] there, head j*pack + s of position t at [j, p, s*T + t]
+P, pack * B] there, head j*pack + s of position t at [j, p, s*B + t]
 (`tpu_attention.scale_shape`, `write_pages_merged`).  The layout follows the attention
 (`step.Platform.pack`), not the platform, so the Pallas interpreter runs it on CPU in the
 tests.
 
-Shapes use the axis letters of docs/architecture.md (in the repository); P pages, T positions in a page, M pages
+Shapes use the axis letters of docs/architecture.md (in the repository); P pages, B positions in a page, M pages
 in a row's page table.
 """
 
@@ -159,8 +159,8 @@ def dequantize(codes, scale):
 
 @flax.struct.dataclass
 class KVPool:
-    """k[l][a], v[l][a]: [K, Pa, T, H] arrays, per layer l and arena a (arenas may differ in
-    size: `stepmeta.Arenas`).  8-bit pools also hold ks[l][a], vs[l][a]: [K, Pa, T] float32
+    """k[l][a], v[l][a]: [K, Pa, B, H] arrays, per layer l and arena a (arenas may differ in
+    size: `stepmeta.Arenas`).  8-bit pools also hold ks[l][a], vs[l][a]: [K, Pa, B] float32
     scales (empty tuples when unquantized)."""
     k: tuple
     v: tuple
@@ -225,7 +225,7 @@ def init_pool(cfg: TextConfig, arena_sizes: tuple, page_size: int, dtype,
               platform: str | None = None, pack: int = 1) -> KVPool:
     """Zeroed pool; `dtype` an 8-bit format of `QUANTIZED` adds the scale arrays (ones),
     its codes stored as `storage_dtype` gives for `platform` (None: JAX's default).
-    `pack` > 1: the TPU layout (`step.Platform.pack`), its scales [rows, Pa, pack * T]
+    `pack` > 1: the TPU layout (`step.Platform.pack`), its scales [rows, Pa, pack * B]
     (`tpu_attention.scale_shape`)."""
     dt = _pool_dtype(dtype, platform)
 
@@ -285,7 +285,7 @@ def _local(start: int, size: int, page_X):
 def write_tokens(arenas: tuple, page_X, off_X, x_XKH) -> tuple:
     """Write one [K, H] vector per index of X (any shape) at (page, offset): in place under
     donation.  Each arena takes the writes of its own pages.  (Also writes scales: arenas
-    [K, Pa, T] and x [X..., K].)"""
+    [K, Pa, B] and x [X..., K].)"""
     head_axis = -2 if arenas[0].ndim == 4 else -1
     if arenas[0].ndim == 4 and arenas[0].shape[-1] != x_XKH.shape[-1]:   # the TPU layout
         x_XKH = tpu_attention.pack_heads(x_XKH, arenas[0].shape[-1])
@@ -328,7 +328,7 @@ def write_tokens_q(arenas: tuple, scales, page_X, off_X, x_XKH, max_pages: int |
 
 def write_pages_merged(arenas: tuple, uniq_U, index, upd) -> tuple:
     """Positions into whole pages of the TPU layout's arenas (codes [rows, Pa, T, L], an
-    8-bit pool's scales [rows, Pa, f*T]): the pages `uniq_U` (each written page once,
+    8-bit pool's scales [rows, Pa, f*B]): the pages `uniq_U` (each written page once,
     padded with ids past every arena) are gathered, `upd` [rows, X, ...] set into that
     small copy at `index` (its page slot and offset, or lane, per position), and the pages
     scattered back.  A scatter of single positions or scales instead makes XLA:TPU lay the
@@ -391,7 +391,7 @@ def write_rows(arenas_k: tuple, arenas_v: tuple, page_R, off_R, k_RKH, v_RKH,
         loc = page_R[r] - st
         at = jnp.clip(loc, 0, n - 1)
         new = jax.lax.dynamic_index_in_dim(x, r, 0, keepdims=False)
-        if packed and a.ndim == 3:   # TPU-layout scales: head s of the row at lane s*T + off
+        if packed and a.ndim == 3:   # TPU-layout scales: head s of the row at lane s*B + off
             for s_ in range(new.shape[-1]):
                 a = put(a, new[:, s_].reshape(a.shape[0], 1, 1), loc, n,
                         (0, at, s_ * page_size + off_R[r]))
@@ -413,7 +413,7 @@ def write_rows(arenas_k: tuple, arenas_v: tuple, page_R, off_R, k_RKH, v_RKH,
 
 
 def gather_pages(arenas: tuple, page_X):
-    """[K, X..., T, H]: whole pages, by global id, from whichever arena holds each (scales:
+    """[K, X..., B, H]: whole pages, by global id, from whichever arena holds each (scales:
     [K, X..., T])."""
     out = None
     for a, (st, n) in zip(arenas, _spans(arenas)):
@@ -424,9 +424,9 @@ def gather_pages(arenas: tuple, page_X):
     return out
 
 
-def write_pages(arenas: tuple, page_N, blocks_KNTH) -> tuple:
+def write_pages(arenas: tuple, page_N, blocks_KNBH) -> tuple:
     """Overwrite whole pages (page-granular copies: the prefix cache)."""
-    return tuple(a.at[:, _local(st, n, page_N)].set(blocks_KNTH.astype(a.dtype), mode="drop")
+    return tuple(a.at[:, _local(st, n, page_N)].set(blocks_KNBH.astype(a.dtype), mode="drop")
                  for a, (st, n) in zip(arenas, _spans(arenas)))
 
 
@@ -441,7 +441,7 @@ def prefill_attend(arenas_k: tuple, arenas_v: tuple, q_RTQH, pt_RM, mask_RTS,
     kv_len = m * arenas_k[0].shape[2]
     h = q_RTQH.shape[-1]
 
-    def view(arenas, scales):   # [K, R, M, T, H] -> [R, S, K, H]
+    def view(arenas, scales):   # [K, R, M, B, H] -> [R, S, K, H]
         g = gather_pages(arenas, pt_RM)
         packed = g.shape[-1] != h   # the TPU layout: heads side by side in a row
         if packed:
@@ -457,25 +457,25 @@ def prefill_attend(arenas_k: tuple, arenas_v: tuple, q_RTQH, pt_RM, mask_RTS,
     return attention(q_RTQH, k.astype(q_RTQH.dtype), v.astype(q_RTQH.dtype), mask_RTS)
 
 
-def page_partials(q_RKGH, k_KPTH, v_KPTH, owner_P, count_P, ks_KPT=None, vs_KPT=None):
+def page_partials(q_RKGH, k_KPBH, v_KPBH, owner_P, count_P, ks_KPB=None, vs_KPB=None):
     """Per page of one arena: (max [K, P, G], sum [K, P, G], weighted V [K, P, G, H]) of its
     owner row's attention over its first count_P positions (count 0: an empty partial).
     8-bit pages: the K scales multiply the scores, the V scales the probabilities (a
     position's scale is a common factor of its vector), so no dequantized copy is made."""
     qz = jnp.concatenate([q_RKGH, jnp.zeros_like(q_RKGH[:1])])   # row R: no owner
     q_KPGH = qz[owner_P].transpose(1, 0, 2, 3)
-    if ks_KPT is not None:
-        k_KPTH, v_KPTH = as_format(k_KPTH).astype(F32), as_format(v_KPTH).astype(F32)
-    s = jnp.einsum("kpgh,kpth->kpgt", q_KPGH.astype(k_KPTH.dtype), k_KPTH,
+    if ks_KPB is not None:
+        k_KPBH, v_KPBH = as_format(k_KPBH).astype(F32), as_format(v_KPBH).astype(F32)
+    s = jnp.einsum("kpgh,kpth->kpgt", q_KPGH.astype(k_KPBH.dtype), k_KPBH,
                    preferred_element_type=F32) * (q_RKGH.shape[-1] ** -0.5)
-    if ks_KPT is not None:
-        s = s * ks_KPT[:, :, None, :]
-    valid = jnp.arange(k_KPTH.shape[2])[None, None, None, :] < count_P[None, :, None, None]
+    if ks_KPB is not None:
+        s = s * ks_KPB[:, :, None, :]
+    valid = jnp.arange(k_KPBH.shape[2])[None, None, None, :] < count_P[None, :, None, None]
     s = jnp.where(valid, s, -jnp.inf)
     m = s.max(-1)
     e = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None]), 0.0)
-    ev = e if vs_KPT is None else e * vs_KPT[:, :, None, :]
-    o = jnp.einsum("kpgt,kpth->kpgh", ev.astype(v_KPTH.dtype), v_KPTH,
+    ev = e if vs_KPB is None else e * vs_KPB[:, :, None, :]
+    o = jnp.einsum("kpgt,kpth->kpgh", ev.astype(v_KPBH.dtype), v_KPBH,
                    preferred_element_type=F32)
     return m, e.sum(-1), o
 
@@ -516,13 +516,13 @@ def kernel_attend(arenas_k: tuple, arenas_v: tuple, q_RQH, pt_RM, length_R, *,
                   splits: int = 1, interpret: bool = False, scales_k=None, scales_v=None):
     """The same attention by our Pallas GPU kernel (`gpu_attention`), which walks each row's
     page table up to its length in `splits` splits (one arena: global page ids are its
-    indices).  An 8-bit pool passes its scales ([K, P, T])."""
+    indices).  An 8-bit pool passes its scales ([K, P, B])."""
     if len(arenas_k) != 1:
         raise ValueError("the paged-attention kernel reads a single-arena pool")
     return gpu_attention.attend(arenas_k[0], arenas_v[0], q_RQH, pt_RM, length_R,
                                 splits=splits, interpret=interpret,
-                                ks_KPT=None if scales_k is None else scales_k[0],
-                                vs_KPT=None if scales_v is None else scales_v[0])
+                                ks_KPB=None if scales_k is None else scales_k[0],
+                                vs_KPB=None if scales_v is None else scales_v[0])
 
 
 # -- the access objects text.forward writes and attends through --------------------------

@@ -252,7 +252,7 @@ def plan(cfg: MoondreamConfig, *, platform, max_batch_size: int, max_context: in
     n_pages = usable + 1   # page 0: the dummy page
     if rec.pack > 1:
         # The TPU layout: pages a multiple of 8, else XLA:TPU lays an 8-bit pool's scales
-        # ([rows, P, 2T], `tpu_attention.scale_shape`) out pages-major (the sublane tile is
+        # ([rows, P, 2B], `tpu_attention.scale_shape`) out pages-major (the sublane tile is
         # 8) and copies them to the kernel's row-major layout and back in every step.
         n_pages = -(-n_pages // PAGE_MULTIPLE) * PAGE_MULTIPLE
         usable = n_pages - 1

@@ -147,7 +147,7 @@ class TensorParallel:
         return n_kv_heads // self.n if self.heads_split(n_kv_heads) else n_kv_heads
 
     def pool_spec(self, n_kv_heads: int) -> P:
-        # Every pool array ([K, P, T, H] codes, [K, P, T] scales) leads with kv heads.
+        # Every pool array ([K, P, B, H] codes, [K, P, B] scales) leads with kv heads.
         return P(AXIS) if self.heads_split(n_kv_heads) else P()
 
     # -- computations ------------------------------------------------------------------

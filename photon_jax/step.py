@@ -105,7 +105,7 @@ class DeviceState:
         pool (`kvpool.QUANTIZED`), None = the model's dtype.  `tp` (a mesh's layout,
         `sharding.TensorParallel`): made in place on the mesh, the pool split by kv heads,
         the rest replicated.  `pack`: the pool's layout (`Platform.pack` of the decode
-        attention; 1: [K, P, T, H])."""
+        attention; 1: [K, P, B, H])."""
         if tp is not None:
             build = partial(cls._build, cfg, arena_sizes, page_size, max_batch_size, kv_dtype,
                             tp.mesh.devices.flat[0].platform, pack)

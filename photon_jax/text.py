@@ -261,10 +261,10 @@ def input_embeddings(params, kind, token, value, *, cfg: MoondreamConfig, rows: 
     return jnp.where(k == KIND_COORD, coord, jnp.where(k == KIND_SIZE, size, tok))
 
 
-def image_prefix(params, img_emb_PD, *, cfg: MoondreamConfig):
-    """[1, 1 + P, D]: BOS embedding then the image embeddings."""
+def image_prefix(params, img_emb_ZD, *, cfg: MoondreamConfig):
+    """[1, 1 + Z, D]: BOS embedding then the image embeddings."""
     bos = embed_tokens(params["text"], jnp.array([cfg.tokenizer.bos_id]))
-    return jnp.concatenate([bos.astype(img_emb_PD.dtype), img_emb_PD], axis=0)[None]
+    return jnp.concatenate([bos.astype(img_emb_ZD.dtype), img_emb_ZD], axis=0)[None]
 
 
 def image_kv(params, crops_u8, src, ph, pw, *, cfg: MoondreamConfig, grouped="blocks",
@@ -312,7 +312,7 @@ def decode(params, cache, kind_R, token_R, value_R2, pos_R, rows_R, prefix_R, kv
     return (*out, jax.tree.map(lambda a: a[:, :, 0], routes))
 
 
-def write_prefix(cache: KVCache, k_LPKH, v_LPKH, row) -> KVCache:
+def write_prefix(cache: KVCache, k_LTKH, v_LTKH, row) -> KVCache:
     """An image prefix into row `row` of a dense cache (the one-request path)."""
-    n = k_LPKH.shape[1]
-    return KVCache(cache.k.at[:, row, :n].set(k_LPKH), cache.v.at[:, row, :n].set(v_LPKH))
+    n = k_LTKH.shape[1]
+    return KVCache(cache.k.at[:, row, :n].set(k_LTKH), cache.v.at[:, row, :n].set(v_LTKH))

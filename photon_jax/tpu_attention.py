@@ -7,7 +7,7 @@ the kernel.  `kvpool` calls `pack_heads` / `unpack_heads` where it writes and ga
 `attend` for the "pallas-tpu" decode attention (`step.ATTENTION`).
 
 Why a layout of its own.  A TPU tiles the last two dims of an array by (sublanes, 128
-lanes).  The CPU/GPU pool is [K, P, T, H] per layer and arena with H = 64 (Moondream), so a
+lanes).  The CPU/GPU pool is [K, P, B, H] per layer and arena with H = 64 (Moondream), so a
 page's [T, 64] slab fills half the lanes of its tiles.  Measured on a v5e (a deviceless
 compile, `bench/tpu_compile.py`): XLA:TPU then lays such an array out with the *page* axis
 on the lanes ({1,3,2,0:T(8,128)}), so one page's positions are spread one lane each over
@@ -18,11 +18,11 @@ byte read.  So the TPU pool puts `pack` = 128 // H kv heads side by side in one 
 
     pool[j, p, t, s*H:(s+1)*H] = K (or V) of kv head j*pack + s at position t of page p
 
-an array [ceil(K / pack), P, T, 128] whose natural layout is the row-major tiled one.  A
+an array [ceil(K / pack), P, B, 128] whose natural layout is the row-major tiled one.  A
 page of one head pair is a dense [T, 128] slab; a page of all heads is a strided run of
 them, read by one DMA.  Nothing is padded when K is a multiple of `pack` (Moondream 2 and
 3: 32 kv heads); an odd K (the tiny test models: 1) pads the last row with a zero head.
-CPU and GPU keep [K, P, T, H] (`pack` 1).
+CPU and GPU keep [K, P, B, H] (`pack` 1).
 
 The kernel.  Grid: one step per row, run in order (the steps share a DMA pipeline).  Scalar
 prefetch puts the lengths and the flattened page tables in SMEM.  A step walks its row's
@@ -46,13 +46,13 @@ page leaves its buffer holding whatever was there (another row's page, or memory
 written), and 0 * NaN would be NaN.
 
 8-bit pools (`kv_dtype` "int8" / "float8_e4m3fn", `kvpool.quantize`: a float32 scale per
-kv head and position).  The codes keep the layout above ([K/f, P, T, 128], one byte each),
+kv head and position).  The codes keep the layout above ([K/f, P, B, 128], one byte each),
 so a page of all heads is still one DMA, of half the bytes of bfloat16.  The scales are
 laid out to match (`scale_shape`):
 
-    scales[j, p, s*T + t] = the scale of kv head j*f + s at position t of page p
+    scales[j, p, s*B + t] = the scale of kv head j*f + s at position t of page p
 
-an array [K/f, P, f*T] float32: the scales of one pool row's page are one row of f*T
+an array [K/f, P, f*B] float32: the scales of one pool row's page are one row of f*B
 lanes (128 at head dim 64 and pages of 64: no padding, 8 pages to a tile), the array leads
 with the pool rows like the codes (split over a mesh the same way), and a page's scales of
 all rows are one more DMA beside its codes (K with K's, V with V's; 6% of the codes' bytes
@@ -114,18 +114,18 @@ def pack_heads(x_XKH, lanes: int):
     return x_XKH.reshape(*lead, rows, lanes)
 
 
-def unpack_heads(x_JXTL, n_kv_heads: int, head_dim: int):
-    """Gathered pages of the TPU layout [J, X..., T, f * H] -> [K, X..., T, H]."""
-    j, *mid, lanes = x_JXTL.shape
+def unpack_heads(x_JXBL, n_kv_heads: int, head_dim: int):
+    """Gathered pages of the TPU layout [J, X..., T, f * H] -> [K, X..., B, H]."""
+    j, *mid, lanes = x_JXBL.shape
     f = lanes // head_dim
-    x = x_JXTL.reshape(j, *mid, f, head_dim)
+    x = x_JXBL.reshape(j, *mid, f, head_dim)
     x = jnp.moveaxis(x, -2, 1)                                   # [J, f, X..., T, H]
     return x.reshape(j * f, *mid, head_dim)[:n_kv_heads]
 
 
 def pack_scales(sc_XK, rows: int, f: int):
     """Scales [X..., K] -> [rows, X..., f] (f heads a row, a missing last head's scale 1):
-    what `scale_shape`'s lane s*T + t of row j holds for head j*f + s."""
+    what `scale_shape`'s lane s*B + t of row j holds for head j*f + s."""
     *lead, k = sc_XK.shape
     if rows * f != k:
         sc_XK = jnp.pad(sc_XK, [(0, 0)] * len(lead) + [(0, rows * f - k)],
@@ -159,7 +159,7 @@ def block_pages(table_width: int, page_size: int, rows: int, lanes: int, itemsiz
 
 def scale_shape(rows: int, pages: int, page_size: int, f: int) -> tuple:
     """The TPU layout of an 8-bit pool's scales: [rows, P, f * T], the scales of pool row
-    j's f heads on page p in one lane row, head s's T positions in lanes [s*T, (s+1)*T)."""
+    j's f heads on page p in one lane row, head s's B positions in lanes [s*B, (s+1)*B)."""
     return (rows, pages, f * page_size)
 
 
@@ -264,9 +264,9 @@ def _kernel(len_ref, pt_ref, q_ref, *refs, per_block: int, width: int, n_rows: i
         return out
 
     def scales(buf, slot):
-        """A block's scales as [J, f*G, bk]: the buffer holds [J, pages, f*T] (head s's
-        T positions in lanes [s*T, (s+1)*T) of a page's row)."""
-        sc = buf[slot]                                               # [J, per_block, f*T]
+        """A block's scales as [J, f*G, bk]: the buffer holds [J, pages, f*B] (head s's
+        B positions in lanes [s*B, (s+1)*B) of a page's row)."""
+        sc = buf[slot]                                               # [J, per_block, f*B]
         sc = pltpu.einshape("jb(st)->js(bt)", sc, s=f)               # [J, f, bk]
         return per_query_row(sc)
 
@@ -333,7 +333,7 @@ def _kernel(len_ref, pt_ref, q_ref, *refs, per_block: int, width: int, n_rows: i
 def attend(k_pool, v_pool, q_RQH, pt_RM, length_R, *, n_kv_heads: int,
            ks_pool=None, vs_pool=None, interpret: bool | str = False):
     """Decode attention of one query per row over its pages: q [R, Q, H] (unscaled), pools
-    [ceil(K / f), P, T, f * H] (`pack`), page tables [R, M] (global page ids) and lengths
+    [ceil(K / f), P, B, f * H] (`pack`), page tables [R, M] (global page ids) and lengths
     [R] -> [R, Q * H] in q's dtype.  Scores and softmax in float32; the products take the
     pool's dtype (float32 pools: full float32 precision).
 

@@ -31,7 +31,7 @@ def normalize(crops_u8, dtype):
     return lut[crops_u8.astype(jnp.int32)].astype(dtype)
 
 
-def attention_per_crop_head(q_CTQH, k_CTQH, v_CTQH):
+def attention_per_crop_head(q_CZQH, k_CZQH, v_CZQH):
     """Unmasked attention computed one (crop, head) at a time in a loop with a static trip
     count, for CPUs.  Two things make it about 2x faster there than `layers.attention` on
     the same shapes, and 4x faster than the batched call:
@@ -47,12 +47,12 @@ def attention_per_crop_head(q_CTQH, k_CTQH, v_CTQH):
     batched 105 ms, a loop of `layers.attention` 51-63 ms, this 23-36 ms (torch's fused
     attention on the same shapes: 46 ms).  Accelerators use the batched form
     (`encode_crops(loop=False)`), where a loop of small kernels would not pay."""
-    c, t, n, h = q_CTQH.shape
+    c, t, n, h = q_CZQH.shape
 
-    def heads_first(x):   # [C, T, Q, H] -> [C*Q, T, H]
+    def heads_first(x):   # [C, Z, Q, H] -> [C*Q, Z, H]
         return x.transpose(0, 2, 1, 3).reshape(c * n, t, h)
 
-    prec = matmul_precision(q_CTQH.dtype)
+    prec = matmul_precision(q_CZQH.dtype)
 
     def one(qkv):
         q, k, v = qkv
@@ -63,22 +63,22 @@ def attention_per_crop_head(q_CTQH, k_CTQH, v_CTQH):
                        preferred_element_type=F32)
         return (o / e.sum(-1, keepdims=True)).astype(q.dtype)
 
-    o = jax.lax.map(one, (heads_first(q_CTQH), heads_first(k_CTQH), heads_first(v_CTQH)))
+    o = jax.lax.map(one, (heads_first(q_CZQH), heads_first(k_CZQH), heads_first(v_CZQH)))
     return o.reshape(c, n, t, h).transpose(0, 2, 1, 3).reshape(c, t, n * h)
 
 
-def _block(x_CPE, p, n_heads: int, loop: bool):
-    c, n, e = x_CPE.shape
-    h = layer_norm(x_CPE, p["ln1"])
+def _block(x_CZE, p, n_heads: int, loop: bool):
+    c, n, e = x_CZE.shape
+    h = layer_norm(x_CZE, p["ln1"])
     qkv = linear(h, p["qkv"])
     q, k, v = jnp.split(qkv, 3, axis=-1)
     hd = e // n_heads
     shape = (c, n, n_heads, hd)
     attend = attention_per_crop_head if loop else attention
     a = attend(q.reshape(shape), k.reshape(shape), v.reshape(shape))
-    x_CPE = x_CPE + linear(a, p["proj"])
-    h = layer_norm(x_CPE, p["ln2"])
-    return x_CPE + mlp(h, {"fc1": p["fc1"], "fc2": p["fc2"]})
+    x_CZE = x_CZE + linear(a, p["proj"])
+    h = layer_norm(x_CZE, p["ln2"])
+    return x_CZE + mlp(h, {"fc1": p["fc1"], "fc2": p["fc2"]})
 
 
 def encode_crops(pv, crops_u8, cfg: VisionConfig, dtype, loop: bool = False):
@@ -94,16 +94,16 @@ def encode_crops(pv, crops_u8, cfg: VisionConfig, dtype, loop: bool = False):
     return layer_norm(x, pv["post_ln"])
 
 
-def project(pv, feats_CPE, src_HW, ph_GH, pw_GW):
+def project(pv, feats_CZE, src_HW, ph_GH, pw_GW):
     """Global + stitched/pooled local features -> [patches, proj_out_dim] image embeddings."""
-    dtype = feats_CPE.dtype
-    e = feats_CPE.shape[-1]
-    local = feats_CPE[1:].reshape(-1, e)
+    dtype = feats_CZE.dtype
+    e = feats_CZE.shape[-1]
+    local = feats_CZE[1:].reshape(-1, e)
     stitched = local[src_HW]                                   # [H, W, E]
     pooled = jnp.einsum("ah,hwe,bw->abe", ph_GH, stitched.astype(F32), pw_GW,
                         precision=matmul_precision(F32))
     pooled = pooled.reshape(-1, e).astype(dtype)
-    feats = jnp.concatenate([feats_CPE[0], pooled], axis=-1)
+    feats = jnp.concatenate([feats_CZE[0], pooled], axis=-1)
     return mlp(feats, pv["proj_mlp"])
 
 

@@ -147,7 +147,7 @@ def main() -> None:
     elif CASE == "tpu":
         # The TPU kernel (under the Pallas interpreter) over its packed pool, split by kv
         # heads: 2 heads per pool row, 2 rows per chip.
-        # An int8 pool too: its scales [rows, P, 2T] split with the codes.
+        # An int8 pool too: its scales [rows, P, 2B] split with the codes.
         md2 = with_heads(Model.load(MD2), 4 * DEVICES, 4 * DEVICES, 14)
         res, shapes = [], []
         for kv in (None, "int8"):

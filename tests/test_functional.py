@@ -37,8 +37,8 @@ def user_caption(cfg, max_tokens=MAX):
     """What a user writes: encode -> prefill -> greedy generate for one sequence.  prompt_T
     may be padded after its `length` real ids."""
     def caption(params, crops, src, ph, pw, prompt_T, length):
-        img_PD = F.encode_image(params, cfg, crops, src, ph, pw)
-        x_TD = F.prompt_embeddings(params, cfg, img_PD, prompt_T)
+        img_ZD = F.encode_image(params, cfg, crops, src, ph, pw)
+        x_TD = F.prompt_embeddings(params, cfg, img_ZD, prompt_T)
         n = cfg.prefix_len + length
         logits_V, _, cache = F.prefill(params, cfg, x_TD, length=n,
                                        cache_len=x_TD.shape[0] + max_tokens)
@@ -124,9 +124,9 @@ def test_grad_of_caption_log_likelihood(model, cases, img_sq):
     ids_T = jnp.array(ref["prompt_ids"] + target[:-1])
     tgt = jnp.array(target)
 
-    def nll(text_params, params, img_PD):
+    def nll(text_params, params, img_ZD):
         p = {**params, "text": text_params}
-        _, hidden_TD, _ = F.prefill(p, cfg, F.prompt_embeddings(p, cfg, img_PD, ids_T))
+        _, hidden_TD, _ = F.prefill(p, cfg, F.prompt_embeddings(p, cfg, img_ZD, ids_T))
         lg = F.logits(p, cfg, hidden_TD[-len(target):])
         lp = jax.nn.log_softmax(lg)
         return -jnp.take_along_axis(lp, tgt[:, None], axis=1).sum(), lg
@@ -153,8 +153,8 @@ def test_decode_step_equals_prefill(model, cases, img_sq):
     ids = ref["prompt_ids"] + ref["ids"][:2]
 
     @jax.jit
-    def run(params, img_PD):
-        x_TD = F.prompt_embeddings(params, cfg, img_PD, jnp.array(ids))
+    def run(params, img_ZD):
+        x_TD = F.prompt_embeddings(params, cfg, img_ZD, jnp.array(ids))
         t = x_TD.shape[0]
         full = F.prefill(params, cfg, x_TD)
         _, _, cache = F.prefill(params, cfg, x_TD[:-2], cache_len=t)
@@ -184,8 +184,8 @@ def test_region_heads_reproduce_reference_detect(model, cases, img_sq):
     ref = cases["fp32"]["sq378"]["cases"]["detect"]
 
     @jax.jit
-    def detect_one(params, img_PD):
-        x_TD = F.prompt_embeddings(params, cfg, img_PD, jnp.array(ref["prompt_ids"]))
+    def detect_one(params, img_ZD):
+        x_TD = F.prompt_embeddings(params, cfg, img_ZD, jnp.array(ref["prompt_ids"]))
         t = x_TD.shape[0]
         lg0, h, cache = F.prefill(params, cfg, x_TD, cache_len=t + 3)
         x = F.decode_coordinate(params, cfg, h[-1])

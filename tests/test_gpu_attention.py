@@ -90,7 +90,7 @@ def test_every_split_variant_equals_float64_attention(dtype, kh, g):
     for splits in ga.SPLITS:
         out = ga.attend(pool["k"], pool["v"], q, jnp.asarray(tables),
                         jnp.asarray(lengths, jnp.int32), splits=splits, interpret=INTERPRET,
-                        ks_KPT=pool.get("ks"), vs_KPT=pool.get("vs"))
+                        ks_KPB=pool.get("ks"), vs_KPB=pool.get("vs"))
         assert out.dtype == q.dtype and out.shape == (len(lengths), kh * g * 32)
         np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), want, rtol=rtol,
                                    atol=atol, err_msg=f"splits={splits}")
@@ -103,7 +103,7 @@ def test_e4m3_codes_as_a_cpu_pool_stores_them():
     st = kvpool.storage_dtype("float8_e4m3fn", "cpu")
     out = ga.attend(kvpool.as_storage(pool["k"], st), kvpool.as_storage(pool["v"], st), q,
                     jnp.asarray(tables), jnp.asarray(lengths, jnp.int32), splits=4,
-                    interpret=INTERPRET, ks_KPT=pool["ks"], vs_KPT=pool["vs"])
+                    interpret=INTERPRET, ks_KPB=pool["ks"], vs_KPB=pool["vs"])
     np.testing.assert_allclose(np.asarray(out), want_rows(exact, q, tables, lengths),
                                atol=5e-6 if INTERPRET else 2e-5)
 
@@ -235,7 +235,7 @@ def test_every_variant_lowers_for_cuda(kh, g):
                         sds((4, 25), jnp.int32), sds((4,), jnp.int32)]
                 if quantized:
                     fn = jax.jit(lambda k, v, q, t, n, ks, vs, s=splits: ga.attend(
-                        k, v, q, t, n, splits=s, ks_KPT=ks, vs_KPT=vs))
+                        k, v, q, t, n, splits=s, ks_KPB=ks, vs_KPB=vs))
                     args += [sc, sc]
                 else:
                     fn = jax.jit(lambda k, v, q, t, n, s=splits: ga.attend(k, v, q, t, n,

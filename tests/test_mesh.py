@@ -78,15 +78,15 @@ def test_moondream_load_with_mesh_and_tensor_parallel():
 def test_the_tpu_kernel_split_by_kv_heads_over_2_devices_equals_one_device():
     """The TPU decode attention ("pallas-tpu-interpret") on its packed pool over two chips,
     each holding its kv heads' rows (2 heads per 128-lane row): the tokens of one device's
-    XLA attention; with an int8 pool too (its scales [K/2, P, 2T] split like the codes)."""
+    XLA attention; with an int8 pool too (its scales [K/2, P, 2B] split like the codes)."""
     out = run_case(2, "tpu")
     ((one_shape, _),), ((mesh_shape, shard_shape),), one8, mesh8 = out["tpu_pool"]
-    assert one_shape[0] == 8 and one_shape[3] == 64          # [K, P, T, H] on one device
-    assert mesh_shape[0] == 4 and mesh_shape[3] == 128       # [K/2, P, T, 128] ...
+    assert one_shape[0] == 8 and one_shape[3] == 64          # [K, P, B, H] on one device
+    assert mesh_shape[0] == 4 and mesh_shape[3] == 128       # [K/2, P, B, 128] ...
     assert shard_shape[0] == 2                                # ... split over the two
     (scales, scale_shard) = mesh8[1]
     assert mesh8[0][1][0] == 2 and scales[0] == 4 and scales[2] == 2 * mesh_shape[2]
-    assert scale_shard[0] == 2 and one8[1][0][0] == 8         # one device: [K, P, T]
+    assert scale_shard[0] == 2 and one8[1][0][0] == 8         # one device: [K, P, B]
     one, mesh, one_int8, mesh_int8 = out["tpu"]
     assert mesh == one and one[0]["caption"]
     assert mesh_int8 == one_int8 and one_int8[0]["caption"]

@@ -18,17 +18,17 @@ from photon_jax.settings import Settings
 from helpers import FIXTURE_DIR, biased_model
 
 
-def attention64(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R):
+def attention64(k_KPBH, v_KPBH, q_RQH, pt_RM, length_R):
     """Float64 attention of each row's query over its first length positions, read in its
-    page table's order from the [K, P, T, H] pages."""
+    page table's order from the [K, P, B, H] pages."""
     r, n_q, h = q_RQH.shape
-    n_kv, _, page, _ = k_KPTH.shape
+    n_kv, _, page, _ = k_KPBH.shape
     g = n_q // n_kv
     out = np.zeros((r, n_q, h))
     for i in range(r):
         pages = pt_RM[i, : -(-length_R[i] // page)]
-        k = np.concatenate([k_KPTH[:, p] for p in pages], 1)[:, :length_R[i]]
-        v = np.concatenate([v_KPTH[:, p] for p in pages], 1)[:, :length_R[i]]
+        k = np.concatenate([k_KPBH[:, p] for p in pages], 1)[:, :length_R[i]]
+        v = np.concatenate([v_KPBH[:, p] for p in pages], 1)[:, :length_R[i]]
         for qh in range(n_q):
             s = k[qh // g].astype(np.float64) @ q_RQH[i, qh].astype(np.float64) / np.sqrt(h)
             w = np.exp(s - s.max())
@@ -36,9 +36,9 @@ def attention64(k_KPTH, v_KPTH, q_RQH, pt_RM, length_R):
     return out.reshape(r, n_q * h)
 
 
-def packed(x_KPTH, lanes):
-    """[K, P, T, H] pages in the TPU layout [ceil(K / f), P, T, f * H]."""
-    return np.asarray(ta.pack_heads(jnp.asarray(x_KPTH).transpose(1, 2, 0, 3),
+def packed(x_KPBH, lanes):
+    """[K, P, B, H] pages in the TPU layout [ceil(K / f), P, B, f * H]."""
+    return np.asarray(ta.pack_heads(jnp.asarray(x_KPBH).transpose(1, 2, 0, 3),
                                     lanes)).transpose(2, 0, 1, 3)
 
 
@@ -135,21 +135,21 @@ def test_the_tpu_layout_round_trips_through_the_pool_writes_and_gathers():
             assert not np.asarray(arena)[..., 64:].any()
 
 
-def quantized(x_KPTH, fmt):
-    """(codes [K, P, T, H] as the pool stores them on CPU, scales [K, P, T], the dequantized
+def quantized(x_KPBH, fmt):
+    """(codes [K, P, B, H] as the pool stores them on CPU, scales [K, P, B], the dequantized
     values in float64)."""
-    codes, sc = kvpool.quantize(jnp.asarray(x_KPTH), fmt)
+    codes, sc = kvpool.quantize(jnp.asarray(x_KPBH), fmt)
     codes = kvpool.as_storage(codes, kvpool.storage_dtype(fmt, "cpu"))
     deq = np.asarray(kvpool.as_format(codes).astype(jnp.float32), np.float64) * \
         np.asarray(sc, np.float64)[..., None]
     return codes, sc, deq
 
 
-def packed_scales(sc_KPT, f):
-    """[K, P, T] scales in the TPU layout [ceil(K / f), P, f * T] (`ta.scale_shape`)."""
-    k, p, t = sc_KPT.shape
+def packed_scales(sc_KPB, f):
+    """[K, P, B] scales in the TPU layout [ceil(K / f), P, f * T] (`ta.scale_shape`)."""
+    k, p, t = sc_KPB.shape
     rows = -(-k // f)
-    x = ta.pack_scales(jnp.asarray(sc_KPT).transpose(1, 2, 0), rows, f)   # [rows, P, T, f]
+    x = ta.pack_scales(jnp.asarray(sc_KPB).transpose(1, 2, 0), rows, f)   # [rows, P, B, f]
     return x.transpose(0, 1, 3, 2).reshape(rows, p, f * t)
 
 
@@ -180,7 +180,7 @@ def test_the_kernel_reads_8bit_pages_and_matches_float64_attention(n_kv, groups,
 
 def test_8bit_codes_and_scales_round_trip_through_the_tpu_layout():
     """`kvpool.write_tokens_q` into an int8 pool in the TPU layout (three heads: one padded)
-    puts each head's scale at lane s*T + offset of its page's row, and the prefill gather
+    puts each head's scale at lane s*B + offset of its page's row, and the prefill gather
     reads back what `quantize` gave; a page copy moves the scales with the codes."""
     cfg = tiny().text
     c = type(cfg)(**{**cfg.__dict__, "n_heads": 3, "n_kv_heads": 3, "dim": 192})

@@ -9,9 +9,9 @@
 //
 // Shapes (the pool layout of photon_jax/kvpool.py, one arena):
 //   q      [R, N, H]  float32   queries, head n reads kv head n / (N / K)
-//   k, v   [K, P, T, H]         float32, bfloat16, int8 or float8_e4m3fn pool pages (e4m3
+//   k, v   [K, P, B, H]         float32, bfloat16, int8 or float8_e4m3fn pool pages (e4m3
 //                               also as uint8: its bytes, how a CPU pool stores it)
-//   ks, vs [K, P, T]  float32   per-position scales of 8-bit pages (value = code * scale;
+//   ks, vs [K, P, B]  float32   per-position scales of 8-bit pages (value = code * scale;
 //                               ignored, and may be empty, for float32 / bfloat16 pages)
 //   table  [R, M]     int32     a row's pages in logical order (page j = positions jT..jT+T-1)
 //   length [R]        int32     positions a row attends (0: the row is padding)
@@ -547,7 +547,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           float scale) {
   auto qd = q.dimensions(), kd = k.dimensions(), td = table.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || v.dimensions().size() != 4) {
-    return ffi::Error::InvalidArgument("paged attention: q [R,N,H], k/v [K,P,T,H], table [R,M]");
+    return ffi::Error::InvalidArgument("paged attention: q [R,N,H], k/v [K,P,B,H], table [R,M]");
   }
   Shapes s{qd[0], qd[1], kd[0], 0, qd[2], kd[1], kd[2], td[1]};
   if (s.kv_heads <= 0 || s.heads % s.kv_heads || kd[3] != s.dim || td[0] != s.rows ||
@@ -574,7 +574,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     case ffi::F8E4M3FN: {
       const int64_t n_scales = s.kv_heads * s.pages * s.page_size;
       if (ks.element_count() != n_scales || vs.element_count() != n_scales) {
-        return ffi::Error::InvalidArgument("paged attention: 8-bit k/v need scales [K,P,T]");
+        return ffi::Error::InvalidArgument("paged attention: 8-bit k/v need scales [K,P,B]");
       }
       if (k.element_type() == ffi::S8) {
         return Attend(pool, s, qp, static_cast<const int8_t*>(k.untyped_data()),
