@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -306,23 +307,20 @@ inline F8 Widen8(const uint16_t* p) {  // bfloat16: the 16 bits on top of a floa
   return (F8)(__builtin_convertvector(b, U8) << 16);
 }
 
-// Eight bytes as int32 lanes.  GCC (12) widens a vector of 8 bytes one lane at a time, so
-// x86 gets the one instruction that does it (the only intrinsics here).
-inline I8 Bytes8(const int8_t* p) {
+// Eight bytes as int32 lanes (signed or not, as B is).  GCC (12) widens a vector of 8
+// bytes one lane at a time, so x86 gets the one instruction that does it.
+template <typename B>
+inline auto Bytes8(const B* p) {
+  using V = std::conditional_t<std::is_signed_v<B>, I8, U8>;
 #if defined(__AVX2__)
-  return (I8)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (std::is_signed_v<B>) {
+    return (V)_mm256_cvtepi8_epi32(b);
+  } else {
+    return (V)_mm256_cvtepu8_epi32(b);
+  }
 #else
-  I8 x;
-  for (int i = 0; i < 8; ++i) x[i] = p[i];
-  return x;
-#endif
-}
-
-inline U8 Bytes8(const uint8_t* p) {
-#if defined(__AVX2__)
-  return (U8)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#else
-  U8 x;
+  V x;
   for (int i = 0; i < 8; ++i) x[i] = p[i];
   return x;
 #endif
