@@ -11,7 +11,8 @@ compiles, what it needs per chip, and whether its optimized HLO has a `condition
 
 One JSON line per (model, topology, program), kind "tpu_compile": compiled, argument_bytes,
 output_bytes, temp_bytes, hbm_bytes_per_chip (arguments + outputs - aliased + temporaries +
-code), conditionals, unknown_trip_loops, compile_s, error (when not compiled); and the
+code), conditionals, unknown_trip_loops, compile_s, flops and bytes_accessed (XLA's cost
+analysis), error (when not compiled); and the
 pool `memory.plan` gave for the chip (kv_cache_tokens).  `--cost-model` prints instead one
 line per (model, chip, chips, context) of the decode-step byte model (kind "tpu_cost"): the
 weights and KV bytes a step reads per chip against the chip's HBM bandwidth, and the
@@ -21,6 +22,7 @@ tokens/s that bound gives.
     TPU_SKIP_MDS_QUERY=1 JAX_PLATFORMS=cpu python bench/tpu_compile.py
     python bench/tpu_compile.py --lower-only        # no libtpu: tiny config, StableHLO (CI)
     ... --kv-dtype int8                             # the 8-bit pool (`tpu_attention`)
+    ... --moe [TOKENS ...]     # one MoE layer: ragged_dot against megablox (kind "tpu_moe")
 
 (JAX_PLATFORMS=cpu: JAX must not try to open a TPU it does not have; the topology is
 described by libtpu regardless.  Results: bench/README.md.)
@@ -151,6 +153,8 @@ def compile_row(fn, args, devices, chip: str, shardings=None, **fields) -> dict:
                 "error": f"{type(e).__name__}: {str(e)[:400]}"}
     text = compiled.as_text()
     m = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}
     cond, loops = audit_counts(text)
     hbm = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
            + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
@@ -160,7 +164,10 @@ def compile_row(fn, args, devices, chip: str, shardings=None, **fields) -> dict:
             "temp_bytes": int(m.temp_size_in_bytes), "hbm_bytes_per_chip": int(hbm),
             "hbm_share": round(hbm / CHIPS[chip]["hbm"], 3),
             "conditionals": cond, "unknown_trip_loops": loops,
-            "tpu_kernels": text.count("tpu_custom_call")}
+            "tpu_kernels": text.count("tpu_custom_call"),
+            # XLA's estimate; a Pallas kernel counts what its CostEstimate declares.
+            "flops": float(cost.get("flops", -1)),
+            "bytes_accessed": float(cost.get("bytes accessed", -1))}
 
 
 def serving_args(cfg, batch: int, chip: str | None, kv_cache_tokens=None,
@@ -306,6 +313,82 @@ def mesh_layout(cfg, devices):
     return tp, shardings
 
 
+def moe_rows(topologies, tokens, schedules=("ragged", "megablox")):
+    """One Moondream 3 MoE layer (bfloat16, full shapes), compiled per (topology, token
+    count, schedule: the grouped ones, and at decode counts gather and dense): kind "tpu_moe", with XLA's cost analysis of the program
+    (flops, bytes_accessed; a Pallas kernel counts what its own CostEstimate declares) beside
+    the compile fields.  Over several chips the experts are split as the engine splits them
+    (`sharding.TensorParallel.experts`)."""
+    from functools import partial
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from photon_jax import moe, sharding
+    from photon_jax.params import abstract_params
+    from photon_jax.text import unstack_layers
+
+    cfg = CONFIGS["md3"]().with_dtype("bfloat16")
+    m = cfg.text.moe
+    p = jax.eval_shape(unstack_layers, abstract_params(cfg))["text"]["moe_blocks"][0]["moe"]
+    expert_bytes = (p["fc1"].size + p["fc2"].size) // m.num_experts * 2   # bfloat16
+    for topology in topologies:
+        chip, devices = devices_of(topology)
+        tp = shardings = None
+        if len(devices) > 1:
+            tp = sharding.TensorParallel(jax.sharding.Mesh(np.array(devices),
+                                                           (sharding.AXIS,)))
+
+            def shardings(args, tp=tp):
+                split = jax.sharding.NamedSharding(tp.mesh, jax.sharding.PartitionSpec(
+                    sharding.AXIS))
+                w, x = args
+                return ({"router": jax.tree.map(lambda _: tp.replicated, w["router"]),
+                         "fc1": split, "fc2": split}, tp.replicated)
+        for n in tokens:
+            x = jax.ShapeDtypeStruct((n, cfg.text.dim), jnp.bfloat16)
+            for how in schedules + (("gather", "dense") if n <= moe.DECODE_TOKENS else ()):
+                fn = jax.jit(partial(moe.moe_mlp, k=m.experts_per_token, schedule_=how,
+                                     tp=tp))
+                row = compile_row(fn, (p, x), devices, chip, shardings, kind="tpu_moe",
+                                  topology=topology, tokens=n, schedule=how,
+                                  assignments=n * m.experts_per_token)
+                if how == "megablox":
+                    row.update(megablox_grid(n, m.num_experts, m.experts_per_token,
+                                             len(devices), expert_bytes))
+                yield row
+
+
+def megablox_grid(n: int, e: int, k: int, chips: int, expert_bytes: int) -> dict:
+    """What megablox's grid reads of the weights on one chip, for a uniform random routing
+    of n tokens (seeded): each (row tile, expert) pair it visits copies the expert's whole
+    [K, N] weights once (grid (n tiles, visits, k tiles): the weight block changes every
+    step), so weight bytes = visits x an expert's bytes (fc1 and fc2 visit the same tiles).
+    Visits come from the kernel's own metadata (`make_group_metadata`, empty groups
+    skipped); over several chips, chip 0's experts (the others' rows are in no group)."""
+    import importlib
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from photon_jax import moe
+
+    gmm = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)])
+    local = e // chips
+    counts = np.bincount(ids[ids < local], minlength=local).astype(np.int32)
+    tm = moe.megablox_tile_rows(n * k, local)
+    rows = -(-n * k // tm) * tm
+    _, visits = gmm.make_group_metadata(group_sizes=jnp.asarray(counts), m=rows, tm=tm,
+                                        start_group=jnp.zeros((), jnp.int32),
+                                        num_nonzero_groups=local, visit_empty_groups=False)
+    return {"tile_rows": tm, "experts_used": int((counts > 0).sum()),
+            "grid_visits": int(visits), "grid_weight_bytes": int(visits) * expert_bytes}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["md2", "md3"],
@@ -318,7 +401,7 @@ def main() -> None:
                     help="only these programs (names as printed)")
     ap.add_argument("--rows", nargs="+", type=int, default=None,
                     help="only these row buckets of forward and prefill_slot")
-    ap.add_argument("--grouped", default=None, choices=["blocks", "ragged"],
+    ap.add_argument("--grouped", default=None, choices=["blocks", "ragged", "megablox"],
                     help="MoE prefill schedule instead of step.default_grouped('tpu')")
     ap.add_argument("--kv-dtype", default=None, choices=["int8", "float8_e4m3fn"],
                     help="an 8-bit KV pool (default: bfloat16, the model's dtype)")
@@ -326,8 +409,16 @@ def main() -> None:
                     help="only the decode byte model (no compiles, no libtpu)")
     ap.add_argument("--lower-only", action="store_true",
                     help="no libtpu: lower the tiny config's programs to StableHLO for TPU")
+    ap.add_argument("--moe", nargs="*", type=int, default=None, metavar="TOKENS",
+                    help="only one Moondream 3 MoE layer per --topologies, ragged_dot "
+                         "against megablox, at these token counts (default 746 and 25408: "
+                         "one and 32 image prompts)")
     args = ap.parse_args()
     env = env_info()
+    if args.moe is not None:
+        for row in moe_rows(args.topologies, args.moe or [746, 25408]):
+            print(json.dumps({**row, **env}), flush=True)
+        return
     if args.cost_model:   # arithmetic only: no compile, no libtpu
         for row in cost_rows(args.models, args.batch, kv_dtype=args.kv_dtype):
             print(json.dumps(row), flush=True)

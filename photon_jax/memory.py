@@ -98,8 +98,9 @@ def prefill_token_bytes(cfg: MoondreamConfig, prefill_tokens: int = PREFILL_TOKE
       position and chosen expert, its input sorted by expert (D x it), fc1's gate and up
       outputs in float32 and cast back (2I x (4 + it)), the gated activation (I x it),
       fc2's output in float32 (D x 4) and the weighted output with its sum over the chips
-      (2D x it) -- each chip computes every (position, expert) row, masked to its experts
-      (`sharding.TensorParallel.experts`), so none of it divides over the mesh; a dense
+      (2D x it) -- each chip holds a row for every (position, expert), those of other
+      chips' experts in no group (`sharding.TensorParallel.experts`: not computed, but
+      allocated: the row count is static), so none of it divides over the mesh; a dense
       MLP holds fc1's output in float32, cast back, and its activation (ff x (4 + 2 it));
     - the attention: float32 scores of the chip's query heads against at most an image
       prefix plus the prefill's positions (n_heads / n x (prefix + prefill_tokens) x 4).

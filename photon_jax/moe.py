@@ -22,11 +22,21 @@ Schedules, chosen from static shapes (`schedule`):
   copy) costs less than reading all E.  Both are one product batched over experts.  On CPU
   the `blocks` loop below is faster at 8-32 tokens, but it reads an expert once per block,
   so decode does not use it (`bench/moe.py` measures each schedule).
+- on TPU a decode step that selects few experts uses `megablox` instead of `gather`: XLA:TPU
+  gathers the selected experts by copying the whole stack (compiled at Moondream 3's shapes,
+  1 token: 0.52 GB of temporaries and 2.3 GB accessed per layer, against dense's 0.81 GB),
+  while megablox's grid visits only the tiles of the selected experts (8 of 64 at 1 token:
+  each expert's weights read once, 0.1 GB).
 - prefill: `ragged` (`jax.lax.ragged_dot`, a grouped matmul over the assignments sorted by
-  expert: XLA:GPU's grouped GEMM) on GPU; on CPU, where ragged_dot is a masked product over
+  expert: XLA:GPU's grouped GEMM, a Mosaic kernel on TPU) on GPU and TPU; on CPU, where ragged_dot is a masked product over
   every expert, `blocks`: the assignments sorted by expert in blocks of `block` rows of one
   expert each, and a loop over a static number of blocks (an upper bound: the used ones plus
-  at most one padded block per expert) that applies each block's expert.
+  at most one padded block per expert) that applies each block's expert.  `megablox`: JAX's
+  Pallas TPU grouped matmul on the same sorted rows, compared with `ragged` for TPU in
+  `bench/tpu_compile.py --moe` (docs/tpu.md).
+- experts split over chips: each chip gets every assignment, those of other chips' experts
+  as id E; the grouped schedules count them in no group (no work), the others compute them
+  as expert E-1 and the caller drops them.
 
 `bench/moe.py` measures every schedule (ms and bytes accessed) at 1, 8, 32 and 746 tokens.
 `dense_reference` is `dense` by another name, kept as the tests' formula.
@@ -76,15 +86,18 @@ def block_size(n_assign: int, n_experts: int) -> int:
 
 
 DECODE_TOKENS = 64
-SCHEDULES = ("dense", "gather", "blocks", "ragged")
+SCHEDULES = ("dense", "gather", "blocks", "ragged", "megablox")
 
 
 def schedule(n_tokens: int, n_experts: int, k: int, grouped: str = "blocks") -> str:
-    """The schedule for a call on n_tokens tokens (static): see the module docstring."""
+    """The schedule for a call on n_tokens tokens (static): see the module docstring.
+    `grouped`: the prefill schedule, or "PREFILL+megablox": that prefill, and megablox in
+    place of gather for a decode step that selects few experts (TPU)."""
+    prefill, _, few = grouped.partition("+")
     if n_tokens > DECODE_TOKENS:
-        return grouped
+        return prefill
     distinct = n_experts * (1 - (1 - k / n_experts) ** n_tokens)
-    return "dense" if 3 * distinct >= n_experts else "gather"
+    return "dense" if 3 * distinct >= n_experts else (few or "gather")
 
 
 def _experts(x_ND, fc1_EDF, fc2_EFD):
@@ -171,13 +184,20 @@ def _blocks(p, x_ND, ids_NK, unroll: bool = False):
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
 
 
+def _grouped_rows(ids_NK, e: int):
+    """The assignments sorted by expert: (order, rows per expert).  An id of `e` (another
+    chip's expert, `sharding.TensorParallel.experts`) sorts last and is counted in no group,
+    so a grouped product leaves its rows out."""
+    flat = ids_NK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    return order, jnp.zeros(e, jnp.int32).at[flat].add(1, mode="drop")
+
+
 def _ragged(p, x_ND, ids_NK):
     n, k = ids_NK.shape
     e = p["fc1"].shape[0]
     prec = matmul_precision(x_ND.dtype)
-    flat = ids_NK.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    counts = jnp.zeros(e, jnp.int32).at[flat].add(1)
+    order, counts = _grouped_rows(ids_NK, e)
     h = jax.lax.ragged_dot(x_ND[order // k], p["fc1"], counts, precision=prec,
                            preferred_element_type=F32).astype(x_ND.dtype)
     y = jax.lax.ragged_dot(_activation(h, p["fc2"].shape[1]), p["fc2"], counts,
@@ -185,22 +205,72 @@ def _ragged(p, x_ND, ids_NK):
     return jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
 
 
-_APPLY = {"dense": _dense, "gather": _gather, "blocks": _blocks, "ragged": _ragged}
+def megablox_tile_rows(n_assign: int, n_experts: int) -> int:
+    """Megablox's row tile: the mean rows per expert rounded down to a power of two, in
+    [128, 512]; or, for at most 128 assignments (decode), one tile of them all rounded up
+    to 16 rows (bfloat16's sublane tile).  Each tile an expert's rows touch reads that
+    expert's whole weights once and computes all the tile's rows: a tile far above the
+    mean multiplies the flops, one far below re-reads the weights."""
+    if n_assign <= 128:
+        return -(-n_assign // 16) * 16
+    t = 128
+    while t * 2 <= min(n_assign // n_experts, 512):
+        t *= 2
+    return t
+
+
+def _megablox(p, x_ND, ids_NK, interpret: bool = False):
+    """The grouped product as JAX's Pallas TPU grouped matmul (`megablox.gmm`): its grid
+    visits only the row tiles that hold assignments (a dynamic count), so rows of no group
+    cost nothing.  Rows are padded to whole tiles; `interpret` runs it on any backend."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    n, k = ids_NK.shape
+    e = p["fc1"].shape[0]
+    a = n * k
+    tm = megablox_tile_rows(a, e)
+    rows = -(-a // tm) * tm
+    order, counts = _grouped_rows(ids_NK, e)
+    xs = jnp.zeros((rows, x_ND.shape[1]), x_ND.dtype).at[:a].set(x_ND[order // k])
+
+    def product(lhs, rhs):
+        kk, nn = rhs.shape[1:]
+        # Whole-dimension tiles below 128 (a block may equal the array's dimension).
+        tiling = (tm, min(kk, 512), min(nn, 512))
+        return gmm(lhs, rhs, counts, preferred_element_type=F32, tiling=tiling,
+                   interpret=interpret).astype(x_ND.dtype)
+
+    h = product(xs, p["fc1"])
+    y = product(_activation(h, p["fc2"].shape[1]), p["fc2"])[:a]
+    return jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
+
+
+_APPLY = {"dense": _dense, "gather": _gather, "blocks": _blocks, "ragged": _ragged,
+          "megablox": _megablox}
+GROUPED = ("ragged", "megablox")   # schedules that skip an id of E (another chip's expert)
 
 
 def moe_mlp(p, x_TD, k: int, with_routes: bool = False, grouped: str = "blocks",
-            schedule_: str | None = None, unroll: bool = False, tp=None):
+            schedule_: str | None = None, unroll: bool = False, tp=None,
+            interpret: bool = False):
     """The mixture-of-experts MLP on [..., D] inputs; `with_routes` also returns the routing
     (ids, weights), each [..., k].  `grouped`: the prefill schedule ("blocks" on CPU,
     "ragged" on GPU); `schedule_` forces one (tests, benchmarks); `unroll` unrolls the block
     loop (so XLA's cost analysis, which counts a loop body once, sees every block).  `tp`:
-    experts split over a mesh (`sharding.TensorParallel.experts`; None: one device)."""
+    experts split over a mesh (`sharding.TensorParallel.experts`; None: one device).
+    `interpret`: the megablox kernel through Pallas's interpreter (off TPU)."""
     lead, d = x_TD.shape[:-1], x_TD.shape[-1]
     x = x_TD.reshape(-1, d)
     ids, w = route(p, x, k)
     how = schedule_ or schedule(x.shape[0], p["fc1"].shape[0], k, grouped)
     def apply(w, x, ids):
-        return _blocks(w, x, ids, unroll) if how == "blocks" else _APPLY[how](w, x, ids)
+        if how not in GROUPED:   # these compute every id: another chip's expert -> any
+            ids = jnp.minimum(ids, w["fc1"].shape[0] - 1)
+        if how == "blocks":
+            return _blocks(w, x, ids, unroll)
+        if how == "megablox":
+            return _megablox(w, x, ids, interpret=interpret)
+        return _APPLY[how](w, x, ids)
 
     y = apply(p, x, ids) if tp is None else tp.experts(apply, p, x, ids)
     out = _mix(y, w, x.dtype).reshape(*lead, d)

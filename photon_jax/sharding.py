@@ -182,7 +182,8 @@ class TensorParallel:
             e_local = w["fc1"].shape[0]
             lid = ids - jax.lax.axis_index(AXIS) * e_local
             mine = (lid >= 0) & (lid < e_local)
-            y = apply(w, x, jnp.where(mine, lid, 0))
+            # Other chips' experts as id e_local: a grouped schedule leaves them out.
+            y = apply(w, x, jnp.where(mine, lid, e_local))
             return jax.lax.psum(jnp.where(mine[..., None], y, jnp.zeros((), y.dtype)), AXIS)
 
         w = {"fc1": p["fc1"], "fc2": p["fc2"]}

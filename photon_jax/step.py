@@ -442,13 +442,15 @@ def default_vision_loop(platform: str) -> bool:
 
 
 def default_grouped(platform: str) -> str:
-    """The MoE prefill schedule a backend gets: `ragged_dot` (a grouped GEMM) on GPU and
-    TPU, the static-trip block loop elsewhere (XLA:CPU runs ragged_dot as a product over
-    every expert).  On TPU, compiled for a v6e at Moondream 3's shapes (746 tokens, one
-    layer; bench/README.md): ragged_dot stays XLA:TPU's grouped product with the useful
-    flops only (75.8 GFLOP) and no loop, where the block loop runs its blocks one after the
-    other as a `while` of small products."""
-    return "ragged" if platform in ("gpu", "tpu") else "blocks"
+    """The MoE schedules a backend gets (`moe.schedule`): prefill by `ragged_dot` (a grouped
+    GEMM) on GPU and TPU, by the static-trip block loop elsewhere (XLA:CPU runs ragged_dot
+    as a product over every expert).  On TPU, compiled at Moondream 3's shapes (one layer;
+    `bench/tpu_compile.py --moe`, docs/tpu.md): ragged_dot is XLA:TPU's grouped product with
+    the useful flops only (75.8 GFLOP at 746 tokens) and declares less traffic than
+    megablox's (1.43 against 2.15 GB), where the block loop runs its blocks one after the
+    other as a `while` of small products; and a decode step of few experts uses megablox,
+    whose grid reads only the selected experts, where XLA:TPU's gather copies the stack."""
+    return {"gpu": "ragged", "tpu": "ragged+megablox"}.get(platform, "blocks")
 
 
 def build(cfg: MoondreamConfig, attention: str = "xla",

@@ -73,6 +73,31 @@ def layout(model: Model) -> dict:
         eng.close()
 
 
+def moe_split() -> dict:
+    """Moondream 3's MoE with its experts split over the mesh, every schedule (megablox
+    under the interpreter), against one device: {schedule: bitwise equal}."""
+    from functools import partial
+
+    from photon_jax import moe
+    from photon_jax.sharding import TensorParallel
+
+    e, k, d, inner = 8, 2, 48, 24
+    keys = jax.random.split(jax.random.PRNGKey(21), 4)
+    p = {"router": {"w": jax.random.normal(keys[0], (d, e)) / 3,
+                    "b": 0.05 * jax.random.normal(keys[1], (e,))},
+         "fc1": jax.random.normal(keys[2], (e, d, 2 * inner)) / 7,
+         "fc2": jax.random.normal(keys[3], (e, inner, d)) / 5}
+    x = jax.random.normal(jax.random.PRNGKey(22), (90, d))
+    tp, out = TensorParallel(MESH), {}
+    for how, n in (("dense", 8), ("gather", 2), ("blocks", 90), ("ragged", 90),
+                   ("megablox", 90)):
+        fn = partial(moe.moe_mlp, k=k, schedule_=how, interpret=how == "megablox")
+        one = np.asarray(jax.jit(fn)(p, x[:n]))
+        split = np.asarray(jax.jit(partial(fn, tp=tp))(p, x[:n]))
+        out[how] = bool(np.array_equal(one, split))
+    return out
+
+
 def converted(src: str, out: str) -> str:
     from photon_jax.convert import convert
 
@@ -144,6 +169,7 @@ def main() -> None:
                 finally:
                     md.engine.close()   # (Moondream.close would free the shared weights)
             out[name] = res
+        out["moe"] = moe_split()
     elif CASE == "tpu":
         # The TPU kernel (under the Pallas interpreter) over its packed pool, split by kv
         # heads: 2 heads per pool row, 2 rows per chip.

@@ -63,6 +63,13 @@ def test_variants_on_2_devices(variants, case):
     assert mesh == one
 
 
+def test_every_moe_schedule_with_experts_split_over_2_devices_equals_one_device(variants):
+    """Each chip gets every assignment, those of the other chip's experts as an id past
+    its own (left out of ragged_dot's and megablox's groups: no work for them)."""
+    assert variants["moe"] == dict.fromkeys(
+        ("dense", "gather", "blocks", "ragged", "megablox"), True)
+
+
 @pytest.fixture(scope="module")
 def variants():
     return run_case(2, "variants")

@@ -28,13 +28,15 @@ def expert_params(key, d, e, inner, dtype=jnp.float32):
             "fc2": (jax.random.normal(k3, (e, inner, d)) / np.sqrt(inner)).astype(dtype)}
 
 
-@pytest.mark.parametrize("how", [None, "gather", "blocks", "ragged"])
+@pytest.mark.parametrize("how", [None, "gather", "blocks", "ragged", "megablox"])
 def test_every_schedule_equals_dense_all_experts(how):
     """Token counts from decode (1 token) to prefill (blocks of 64) and uneven ones in
-    between; k = E too.  None: the schedule `moe_mlp` picks for the count."""
+    between; k = E too.  None: the schedule `moe_mlp` picks for the count.  megablox (the
+    TPU kernel) under Pallas's interpreter."""
+    mb = how == "megablox"
     for e, k, counts in ((8, 2, (1, 17, 300)), (5, 5, (3,))):
         p = expert_params(jax.random.PRNGKey(e), 48, e, 24)
-        sel = jax.jit(partial(moe.moe_mlp, k=k, schedule_=how))
+        sel = jax.jit(partial(moe.moe_mlp, k=k, schedule_=how, interpret=mb))
         dense = jax.jit(partial(moe.dense_reference, k=k))
         for n in counts:
             x = jax.random.normal(jax.random.PRNGKey(100 + n), (1, n, 48))
@@ -45,8 +47,37 @@ def test_every_schedule_equals_dense_all_experts(how):
     p = expert_params(jax.random.PRNGKey(16), 48, 16, 24)
     x = jnp.tile(jax.random.normal(jax.random.PRNGKey(7), (1, 1, 48)), (1, 4, 1))
     want = np.asarray(jax.jit(partial(moe.dense_reference, k=2))(p, x))
-    got = jax.jit(partial(moe.moe_mlp, k=2, schedule_=how))(p, x)
+    got = jax.jit(partial(moe.moe_mlp, k=2, schedule_=how, interpret=mb))(p, x)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("how", moe.GROUPED)
+def test_grouped_schedules_leave_other_chips_experts_out(how):
+    """An id of E (an expert another chip holds, `sharding.TensorParallel.experts`) is in
+    no group: the other assignments are exact, and ragged_dot's left-out rows are zero
+    (megablox's are never written: the caller drops them)."""
+    e, k, n = 8, 2, 90
+    p = expert_params(jax.random.PRNGKey(8), 48, e, 24)
+    x = jax.random.normal(jax.random.PRNGKey(9), (n, 48))
+    ids = jax.random.randint(jax.random.PRNGKey(10), (n, k), 0, e)
+    other = jax.random.bernoulli(jax.random.PRNGKey(11), 0.6, (n, k))
+    kw = {"interpret": True} if how == "megablox" else {}
+    got = np.asarray(jax.jit(partial(moe._APPLY[how], **kw))(p, x, jnp.where(other, e, ids)))
+    want = np.asarray(moe._dense(p, x, ids))
+    mine = ~np.asarray(other)
+    np.testing.assert_allclose(got[mine], want[mine], rtol=0, atol=1e-5 * np.abs(want).max())
+    if how == "ragged":
+        assert not got[~mine].any()
+
+
+def test_megablox_tiles_follow_the_rows_per_expert():
+    # 746 image-prompt tokens x top-8 over 64 experts: 93 rows each -> tiles of 128;
+    # 32 such rows: ~3000 each -> 512 (the cap).
+    assert moe.megablox_tile_rows(746 * 8, 64) == 128
+    assert moe.megablox_tile_rows(32 * 746 * 8, 64) == 512
+    assert moe.megablox_tile_rows(300 * 8, 64) == 128 and moe.megablox_tile_rows(4096, 16) == 256
+    # Decode: one tile of every assignment (1 row x top-8 -> 16; 8 rows -> 64).
+    assert moe.megablox_tile_rows(8, 64) == 16 and moe.megablox_tile_rows(64, 64) == 64
 
 
 def test_schedule_reads_few_experts_by_gather_and_many_densely():
@@ -55,6 +86,9 @@ def test_schedule_reads_few_experts_by_gather_and_many_densely():
     assert [moe.schedule(n, 64, 8) for n in (1, 2, 4, 32, 64)] == \
         ["gather", "gather", "dense", "dense", "dense"]
     assert moe.schedule(65, 64, 8) == "blocks" and moe.schedule(746, 64, 8, "ragged") == "ragged"
+    # TPU: megablox where the others gather; ragged_dot for prefill.
+    assert [moe.schedule(n, 64, 8, "ragged+megablox") for n in (1, 2, 4, 746)] == \
+        ["megablox", "megablox", "dense", "ragged"]
 
 
 def test_routing_is_top_k_then_softmax_over_the_k():
@@ -78,8 +112,9 @@ def test_a_skewed_routing_is_still_exact():
     ids, _ = moe.route(p, x, 2)
     assert set(np.unique(ids)) == {2, 6}
     want = np.asarray(moe.dense_reference(p, x, 2))
-    for how in ("blocks", "ragged"):
-        np.testing.assert_allclose(jax.jit(partial(moe.moe_mlp, k=2, schedule_=how))(p, x),
+    for how in ("blocks", "ragged", "megablox"):
+        fn = partial(moe.moe_mlp, k=2, schedule_=how, interpret=how == "megablox")
+        np.testing.assert_allclose(jax.jit(fn)(p, x),
                                    want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 

@@ -20,7 +20,7 @@ def test_the_record_of_each_platform():
     assert not gpu.dense and not gpu.vision_loop and gpu.dtype == "bfloat16"
     tpu = step.choose(cfg, "tpu")   # our TPU kernel: two heads of dim 64 per pool row
     assert tpu.attention == "pallas-tpu" and tpu.pack == 2 and not tpu.plans_splits
-    assert not tpu.sweeps and tpu.shares_prefix and tpu.grouped == "ragged"
+    assert not tpu.sweeps and tpu.shares_prefix and tpu.grouped == "ragged+megablox"
     assert gpu.pack == 1 and step.choose(tiny(), "cpu", "pallas-tpu-interpret").pack == 2
     P = step.build_for(cfg, tpu)   # no GPU split plans: one forward per bucket
     assert P.decode_splits([2000], 64) == 1 and P.split_variants(1) == (1,)
