@@ -70,6 +70,28 @@ def test_grouped_schedules_leave_other_chips_experts_out(how):
         assert not got[~mine].any()
 
 
+@pytest.mark.parametrize("tokens", [1, 746])
+def test_megablox_lowers_for_tpu_at_moondream3_shapes(tokens):
+    """The megablox schedule at full Moondream 3 shapes (bfloat16, abstract: nothing is
+    allocated) lowers to a Mosaic kernel per product (decode's one 16-row tile, prefill's
+    128-row tiles); libtpu's compile of it: `bench/tpu_compile.py --moe`."""
+    cfg = C.moondream3()
+    m = cfg.text.moe
+    p = {"router": {"w": jax.ShapeDtypeStruct((cfg.text.dim, m.num_experts), jnp.bfloat16),
+                    "b": jax.ShapeDtypeStruct((m.num_experts,), jnp.bfloat16)},
+         "fc1": jax.ShapeDtypeStruct((m.num_experts, cfg.text.dim, 2 * m.expert_inner_dim),
+                                     jnp.bfloat16),
+         "fc2": jax.ShapeDtypeStruct((m.num_experts, m.expert_inner_dim, cfg.text.dim),
+                                     jnp.bfloat16)}
+    x = jax.ShapeDtypeStruct((tokens, cfg.text.dim), jnp.bfloat16)
+    dev = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    fn = jax.jit(partial(moe.moe_mlp, k=m.experts_per_token, schedule_="megablox"))
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=dev)):
+        text_ = fn.trace(p, x).lower(lowering_platforms=("tpu",)).as_text()
+    assert text_.count("tpu_custom_call") == 2
+
+
 def test_megablox_tiles_follow_the_rows_per_expert():
     # 746 image-prompt tokens x top-8 over 64 experts: 93 rows each -> tiles of 128;
     # 32 such rows: ~3000 each -> 512 (the cap).
