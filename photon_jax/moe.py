@@ -92,7 +92,8 @@ SCHEDULES = ("dense", "gather", "blocks", "ragged", "megablox")
 def schedule(n_tokens: int, n_experts: int, k: int, grouped: str = "blocks") -> str:
     """The schedule for a call on n_tokens tokens (static): see the module docstring.
     `grouped`: the prefill schedule, or "PREFILL+megablox": that prefill, and megablox in
-    place of gather for a decode step that selects few experts (TPU)."""
+    place of gather for a decode step that selects few experts (TPU; "megablox-interpret":
+    the same kernel under Pallas's interpreter, for tests off TPU)."""
     prefill, _, few = grouped.partition("+")
     if n_tokens > DECODE_TOKENS:
         return prefill
@@ -264,12 +265,12 @@ def moe_mlp(p, x_TD, k: int, with_routes: bool = False, grouped: str = "blocks",
     ids, w = route(p, x, k)
     how = schedule_ or schedule(x.shape[0], p["fc1"].shape[0], k, grouped)
     def apply(w, x, ids):
-        if how not in GROUPED:   # these compute every id: another chip's expert -> any
-            ids = jnp.minimum(ids, w["fc1"].shape[0] - 1)
+        if how.split("-")[0] not in GROUPED:   # these compute every id: another chip's
+            ids = jnp.minimum(ids, w["fc1"].shape[0] - 1)   # expert -> any (dropped)
         if how == "blocks":
             return _blocks(w, x, ids, unroll)
-        if how == "megablox":
-            return _megablox(w, x, ids, interpret=interpret)
+        if how.startswith("megablox"):
+            return _megablox(w, x, ids, interpret=interpret or how == "megablox-interpret")
         return _APPLY[how](w, x, ids)
 
     y = apply(p, x, ids) if tp is None else tp.experts(apply, p, x, ids)

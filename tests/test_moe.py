@@ -148,13 +148,17 @@ def md3(md3_ckpt):
     return m.cfg, m.params, m.oracle_programs
 
 
-def test_cached_prefill_and_decode_equal_uncached_forward(md3):
+@pytest.mark.parametrize("grouped", ["blocks", "ragged+megablox-interpret"])
+def test_cached_prefill_and_decode_equal_uncached_forward(md3, grouped):
     """The fixture model (tau in every layer, MoE in 2 of 4): prefill of a bidirectional
-    prefix and a prompt (its rows through the experts in blocks of 8), then one-token decode
+    prefix and a prompt (its rows through the experts in blocks), then one-token decode
     steps with the KV cache == one uncached forward over everything.  (The 730-position image prefix is
-    checked against the oracle's KV cache in test_md3_parity.)"""
+    checked against the oracle's KV cache in test_md3_parity.)  Also with TPU's schedules
+    (ragged_dot prefill, megablox decode under the interpreter)."""
     cfg, params, P = md3
-    prefix, n_prompt, n_decode = 40, 5, 3
+    if grouped != "blocks":
+        P = step.build_oracle(cfg, grouped=grouped)
+    prefix, n_prompt, n_decode = 70, 5, 3
     x = jax.random.normal(jax.random.PRNGKey(1), (prefix + n_prompt + n_decode, cfg.text.dim))
     ref = np.asarray(full_forward(cfg, params, x, prefix))
     tol = 1e-4 * np.abs(ref).max()
@@ -165,10 +169,10 @@ def test_cached_prefill_and_decode_equal_uncached_forward(md3):
                                  np.full(1, p - 1), 256)
     np.testing.assert_allclose(hid[0], ref[:p], rtol=0, atol=tol)
     # Decode steps fed embeddings directly (the decode program embeds token ids).
-    forward = jax.jit(text.forward, static_argnums=(1,))
+    forward = jax.jit(text.forward, static_argnums=(1, 6))
     for _ in range(n_decode):
         hid, cache, _ = forward(params["text"], cfg.text, x[None, p:p + 1], np.array([[p]]),
-                                cache, text.DenseAccess(rows, pre, 256))
+                                cache, text.DenseAccess(rows, pre, 256), grouped)
         np.testing.assert_allclose(hid[0, 0], ref[p], rtol=0, atol=tol)
         p += 1
 
