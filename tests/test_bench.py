@@ -296,3 +296,20 @@ def test_tpu_compiles_audit_tells_a_data_dependent_loop_from_a_counted_one():
     # XLA:CPU and XLA:GPU annotate a counted loop themselves.
     assert audit_counts('%w = s32[] while(%t), condition=%c, backend_config='
                         '{"known_trip_count":{"n":"3"}}') == (0, 0)
+
+
+def test_megablox_grid_reads_each_selected_expert_once_at_decode():
+    """bench/tpu_compile.py --moe's count of megablox's weight reads, from the kernel's own
+    metadata: one token's 8 experts are 8 visits (one 16-row tile); an image prompt's 746
+    tokens visit every expert, some twice (a 128-row tile spans two); over 4 chips a chip
+    visits only its own experts."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from tpu_compile import megablox_grid
+
+    one = megablox_grid(1, 64, 8, 1, expert_bytes=10)
+    assert one == {"tile_rows": 16, "experts_used": 8, "grid_visits": 8,
+                   "grid_weight_bytes": 80}
+    prompt = megablox_grid(746, 64, 8, 1, expert_bytes=10)
+    assert prompt["experts_used"] == 64 and 64 < prompt["grid_visits"] <= 64 + 47 - 1
+    split = megablox_grid(746, 64, 8, 4, expert_bytes=10)
+    assert split["experts_used"] == 16 and split["grid_visits"] < prompt["grid_visits"] / 2
