@@ -90,7 +90,7 @@ def slot_bytes(cfg: MoondreamConfig, max_batch_size: int, dtype=None) -> int:
 
 
 def prefill_token_bytes(cfg: MoondreamConfig, prefill_tokens: int = PREFILL_TOKENS,
-                        mesh_size: int = 1, dtype=None) -> int:
+                        mesh_size: int = 1, dtype=None, grouped: str = "ragged") -> int:
     """Temporaries one prompt position of a prefill keeps live in its widest layer, on one
     chip of a `mesh_size` mesh (it = the dtype's bytes, D the width, I an expert's width):
 
@@ -100,8 +100,11 @@ def prefill_token_bytes(cfg: MoondreamConfig, prefill_tokens: int = PREFILL_TOKE
       fc2's output in float32 (D x 4) and the weighted output with its sum over the chips
       (2D x it) -- each chip holds a row for every (position, expert), those of other
       chips' experts in no group (`sharding.TensorParallel.experts`: not computed, but
-      allocated: the row count is static), so none of it divides over the mesh; a dense
-      MLP holds fc1's output in float32, cast back, and its activation (ff x (4 + 2 it));
+      allocated: the row count is static), so none of it divides over the mesh; with the
+      `dense` prefill schedule (`grouped`, GPU) each of the chip's experts holds fc1's
+      output and the gated activation for every position (E/n x 3I x it: XLA fuses the
+      float32 accumulations into the products; 0.39 MB a position at Moondream 3's shapes,
+      746 and 2048 positions, measured in deviceless H200 compiles); a dense MLP holds fc1's output in float32, cast back, and its activation (ff x (4 + 2 it));
     - the attention: float32 scores of the chip's query heads against at most an image
       prefix plus the prefill's positions (n_heads / n x (prefix + prefill_tokens) x 4).
 
@@ -114,6 +117,10 @@ def prefill_token_bytes(cfg: MoondreamConfig, prefill_tokens: int = PREFILL_TOKE
     if t.moe is not None:
         d, inner, k = t.dim, t.moe.expert_inner_dim, t.moe.experts_per_token
         mlp = k * (d * it + 2 * inner * (4 + it) + inner * it + d * 4 + 2 * d * it)
+        if grouped.partition("+")[0] == "dense":
+            e = t.moe.num_experts
+            local = e // mesh_size if mesh_size > 1 and e % mesh_size == 0 else e
+            mlp = max(mlp, local * 3 * inner * it)
     else:
         mlp = t.ff_dim * (4 + 2 * it)
     split = mesh_size > 1 and t.n_kv_heads % mesh_size == 0
@@ -142,7 +149,8 @@ def prefill_view_bytes(cfg: MoondreamConfig, max_batch_size: int,
 
 
 def workspace_bytes(cfg: MoondreamConfig, dtype=None, prefill_tokens: int = PREFILL_TOKENS,
-                    mesh_size: int = 1, max_batch_size: int = 1, kv_dtype=None) -> int:
+                    mesh_size: int = 1, max_batch_size: int = 1, kv_dtype=None,
+                    grouped: str = "ragged") -> int:
     """A budget for XLA's temporaries: twice the largest single activation of an image
     prefill (the vision encoder's attention scores over all crops, or the text model's over
     the image prefix), or a prompt prefill of `prefill_tokens` positions over up to
@@ -153,7 +161,8 @@ def workspace_bytes(cfg: MoondreamConfig, dtype=None, prefill_tokens: int = PREF
     vision = crops * v.enc_n_heads * v.n_patches ** 2 * 4
     text = t.n_heads * cfg.prefix_len ** 2 * 4
     mlp = cfg.prefix_len * max(t.ff_dim, v.enc_ff_dim * crops) * 4
-    prefill = (prefill_tokens * prefill_token_bytes(cfg, prefill_tokens, mesh_size, dtype)
+    prefill = (prefill_tokens * prefill_token_bytes(cfg, prefill_tokens, mesh_size, dtype,
+                                                    grouped)
                + prefill_view_bytes(cfg, max_batch_size, prefill_tokens, mesh_size, dtype,
                                     kv_dtype))
     return max(MIN_WORKSPACE, 2 * max(vision, text, mlp), prefill)
@@ -227,7 +236,8 @@ def plan(cfg: MoondreamConfig, *, platform, max_batch_size: int, max_context: in
     per_tok = bytes_per_token(cfg, dtype, kv_dtype, mesh_size, rec.pack)
     weights = weight_bytes(cfg, dtype, mesh_size)
     slots = slot_bytes(cfg, max_batch_size, dtype)
-    work = workspace_bytes(cfg, dtype, prefill_tokens, mesh_size, max_batch_size, kv_dtype)
+    work = workspace_bytes(cfg, dtype, prefill_tokens, mesh_size, max_batch_size, kv_dtype,
+                           rec.grouped)
     row_pages = pages_for(max_context, page_size)
     if kv_cache_tokens is None:
         if rec.host_memory:

@@ -28,10 +28,12 @@ Schedules, chosen from static shapes (`schedule`):
   while megablox's grid visits only the tiles of the selected experts (8 of 64 at 1 token:
   each expert's weights read once, 0.1 GB).
 - prefill: `ragged` (`jax.lax.ragged_dot`, a grouped matmul over the assignments sorted by
-  expert: XLA:GPU's grouped GEMM, a Mosaic kernel on TPU) on GPU and TPU; on CPU, where ragged_dot is a masked product over
-  every expert, `blocks`: the assignments sorted by expert in blocks of `block` rows of one
-  expert each, and a loop over a static number of blocks (an upper bound: the used ones plus
-  at most one padded block per expert) that applies each block's expert.  `megablox`: JAX's
+  expert: a Mosaic kernel on TPU) on TPU; `dense` on GPU, where XLA (jax 0.10.2) expands
+  ragged_dot into every assignment times every expert (`step.default_grouped`); on CPU,
+  where ragged_dot is a masked product over every expert too, `blocks`: the assignments
+  sorted by expert in blocks of `block` rows of one expert each, and a loop over a static
+  number of blocks (an upper bound: the used ones plus at most one padded block per
+  expert) that applies each block's expert.  `megablox`: JAX's
   Pallas TPU grouped matmul on the same sorted rows, compared with `ragged` for TPU in
   `bench/tpu_compile.py --moe` (docs/tpu.md).
 - experts split over chips: each chip gets every assignment, those of other chips' experts

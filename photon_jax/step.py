@@ -442,15 +442,24 @@ def default_vision_loop(platform: str) -> bool:
 
 
 def default_grouped(platform: str) -> str:
-    """The MoE schedules a backend gets (`moe.schedule`): prefill by `ragged_dot` (a grouped
-    GEMM) on GPU and TPU, by the static-trip block loop elsewhere (XLA:CPU runs ragged_dot
-    as a product over every expert).  On TPU, compiled at Moondream 3's shapes (one layer;
-    `bench/tpu_compile.py --moe`, docs/tpu.md): ragged_dot is XLA:TPU's grouped product with
-    the useful flops only (75.8 GFLOP at 746 tokens) and declares less traffic than
-    megablox's (1.43 against 2.15 GB), where the block loop runs its blocks one after the
-    other as a `while` of small products; and a decode step of few experts uses megablox,
-    whose grid reads only the selected experts, where XLA:TPU's gather copies the stack."""
-    return {"gpu": "ragged", "tpu": "ragged+megablox"}.get(platform, "blocks")
+    """The MoE schedules a backend gets (`moe.schedule`).  Prefill: by `ragged_dot` on
+    TPU, by every expert on every position (`dense`) on GPU, by the static-trip block loop
+    elsewhere.  Measured in deviceless compiles at Moondream 3's shapes (one layer, 746
+    tokens; docs/tpu.md, docs/platforms.md):
+
+    - TPU: ragged_dot is XLA:TPU's grouped product (a Mosaic kernel) with the useful flops
+      only (75.8 GFLOP), declaring less traffic than megablox's (1.43 against 2.15 GB);
+      the block loop would run its blocks one after the other.
+    - GPU: XLA:GPU (jax 0.10.2) expands ragged_dot into a masked product of every
+      assignment with every expert -- 64x the useful flops and the rows copied once per
+      expert (1.59 GB of temporaries) -- where `dense` is one batched product with E/k = 8x
+      the useful flops and 0.29 GB (the block loop: 0.10 GB and the useful flops, but ~150
+      dependent small products a layer, unmeasured on a GPU).
+    - CPU: XLA:CPU's ragged_dot is a masked product over every expert as well.
+
+    A decode step of few experts uses megablox on TPU, whose grid reads only the selected
+    experts, where XLA:TPU's gather copies the stack; `gather` elsewhere."""
+    return {"gpu": "dense", "tpu": "ragged+megablox"}.get(platform, "blocks")
 
 
 def build(cfg: MoondreamConfig, attention: str = "xla",

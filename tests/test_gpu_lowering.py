@@ -1,7 +1,7 @@
 """The GPU path, checked on a machine without a GPU.
 
 A GPU gets other programs than the CPU: decode attention by our Pallas kernel
-(`gpu_attention`), the MoE prefill as a grouped `ragged_dot`, the vision attention without the per-crop
+(`gpu_attention`), the MoE prefill as one `dense` product, the vision attention without the per-crop
 loop (`step.default_*`).  Two checks here, for Moondream 2 and Moondream 3:
 
 * The engine runs a mixed workload on the GPU's programs (the Pallas kernel under the Pallas
@@ -120,7 +120,7 @@ def requests_for(model):
 
 def gpu_like_model(base: Model) -> Model:
     """`base`'s weights with the programs a GPU builds: the Pallas kernel (under the
-    interpreter, except on a GPU), the ragged MoE prefill, the vision attention without the
+    interpreter, except on a GPU), the dense MoE prefill, the vision attention without the
     loop."""
     m = Model(base.cfg, base.params, base.prompts.tok, attention=pallas_attention())
     m.programs = step_mod.build_for(base.cfg, "gpu", pallas_attention())
@@ -170,7 +170,7 @@ def test_the_engine_on_the_gpu_programs_equals_the_reference_and_lowers_for_cuda
 
 def test_moondream3_on_the_gpu_programs_equals_the_reference_and_lowers_for_cuda(md3_ckpt):
     # (Fewer requests: the same programs at Moondream 3's shapes: tau attention, MoE
-    # prefill as ragged_dot.)
+    # prefill as one dense product.)
     check_engine_on_gpu_programs(biased_model(md3_ckpt, {0: 0.8}), 2)
 
 

@@ -16,7 +16,7 @@ def test_the_record_of_each_platform():
     cfg = moondream2("bfloat16")
     gpu = step.choose(cfg, "gpu")
     assert gpu.attention.startswith("pallas") and not gpu.sweeps and gpu.shares_prefix
-    assert gpu.plans_splits and gpu.grouped == "ragged" and not gpu.host_memory
+    assert gpu.plans_splits and gpu.grouped == "dense" and not gpu.host_memory
     assert not gpu.dense and not gpu.vision_loop and gpu.dtype == "bfloat16"
     tpu = step.choose(cfg, "tpu")   # our TPU kernel: two heads of dim 64 per pool row
     assert tpu.attention == "pallas-tpu" and tpu.pack == 2 and not tpu.plans_splits
