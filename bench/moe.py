@@ -7,8 +7,8 @@ step: 1, 8, 32) and a prefill one (746 = image prefix + a 16-token prompt), for:
   dense    every expert for every token, then the top-k mix: reads each expert once
   gather   the distinct selected experts gathered, applied to every token
   blocks   assignments sorted by expert, a loop over a static number of one-expert blocks
-  ragged   the same sort, `jax.lax.ragged_dot` as the grouped matmul (GPU's grouped GEMM;
-           on CPU a masked product over every expert)
+  ragged   the same sort, `jax.lax.ragged_dot` as the grouped matmul (TPU's; XLA:CPU and
+           XLA:GPU expand it into a masked product over every expert)
   chosen   what `moe.moe_mlp` runs for that token count on CPU (`moe.schedule`)
 
 Then, compiled only (abstract shapes, nothing allocated: XLA's cost analysis needs no
