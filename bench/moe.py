@@ -24,6 +24,7 @@ loop body once), selected_weight_bytes (the weights of the distinct experts this
 selects, plus the router), bytes_over_selected, max_abs_diff (against dense).
 
     python bench/moe.py [--reps 7] [--tokens 1 8 32 746] [--no-full]
+    python bench/moe.py --layer md3 --tokens 1 2 746 2048 --no-full    # on a GPU (gpu_run.sh)
 """
 
 from __future__ import annotations
@@ -44,56 +45,87 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 746])
     ap.add_argument("--no-full", action="store_true",
                     help="skip the full-shape (compile-only) rows")
+    ap.add_argument("--layer", choices=["small", "md3"], default="small",
+                    help="md3: one full-size Moondream 3 layer (random weights, bfloat16 "
+                         "off CPU), timed: the GPU run's comparison of the prefill schedules")
     args = ap.parse_args(argv)
     from functools import partial
 
     import jax
     import numpy as np
 
-    from photon_jax import moe
+    from photon_jax import moe, step
     from photon_jax.params import init_params
     from photon_jax.text import unstack_layers
 
-    cfg = small_md3_config()
+    platform = jax.default_backend()
+    if args.layer == "md3":
+        from photon_jax import config
+
+        cfg = config.moondream3("float32" if platform == "cpu" else "bfloat16")
+        p = full_layer(cfg)
+    else:
+        cfg = small_md3_config()
+        p = unstack_layers(init_params(jax.random.PRNGKey(0), cfg))["text"]["moe_blocks"][0][
+            "moe"]
     k, e = cfg.text.moe.experts_per_token, cfg.text.moe.num_experts
-    params = unstack_layers(init_params(jax.random.PRNGKey(0), cfg))
-    p = params["text"]["moe_blocks"][0]["moe"]
     expert_bytes = (p["fc1"][0].nbytes + p["fc2"][0].nbytes)
     router_bytes = sum(x.nbytes for x in jax.tree.leaves(p["router"]))
     for n in args.tokens:
-        x = jax.random.normal(jax.random.PRNGKey(n), (n, cfg.text.dim))
+        x = jax.random.normal(jax.random.PRNGKey(n), (n, cfg.text.dim)).astype(p["fc1"].dtype)
         ids, _ = moe.route(p, x, k)
         distinct = len(np.unique(np.asarray(ids)))
         selected = distinct * expert_bytes + router_bytes
-        ref = np.asarray(jax.jit(partial(moe.dense_reference, k=k))(p, x))
-        chosen = moe.schedule(n, e, k, "blocks")
+        ref = np.asarray(jax.jit(partial(moe.dense_reference, k=k))(p, x).astype("float32"))
+        chosen = moe.schedule(n, e, k, step.default_grouped(platform))
         for name in ("dense", "gather", "blocks", "ragged", "chosen"):
+            if args.layer == "md3" and name == "gather" and n > moe.DECODE_TOKENS:
+                continue   # (a copy of the whole stack: not a prefill schedule)
             how = chosen if name == "chosen" else name
             fn = jax.jit(partial(moe.moe_mlp, k=k, schedule_=how))
-            out = np.asarray(fn(p, x))
+            out = np.asarray(fn(p, x).astype("float32"))
             ts = []
             for _ in range(args.reps):
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn(p, x))
                 ts.append(time.perf_counter() - t0)
             if how == "blocks":   # unrolled, so that the cost analysis sees every block
-                costed = jax.jit(lambda p, x: moe.moe_mlp(p, x, k, schedule_="blocks",
-                                                          unroll=True))
+                costed = None if args.layer == "md3" else jax.jit(   # (hundreds of blocks)
+                    lambda p, x: moe.moe_mlp(p, x, k, schedule_="blocks", unroll=True))
             else:
                 costed = fn
-            ca = costed.lower(p, x).compile().cost_analysis()
-            ca = ca[0] if isinstance(ca, list) else ca
+            ca = None if costed is None else costed.lower(p, x).compile().cost_analysis()
+            ca = (ca[0] if isinstance(ca, list) else ca) or {}   # (None on some backends)
+            b = ca.get("bytes accessed")
             print(json.dumps({
-                "kind": "moe", "schedule": name, "runs": how, "tokens": n, "experts": e,
-                "top_k": k, "distinct_experts": distinct,
+                "kind": "moe", "layer": args.layer, "platform": platform, "schedule": name,
+                "runs": how, "tokens": n, "experts": e, "top_k": k, "distinct_experts": distinct,
                 "ms": round(1e3 * float(np.median(ts)), 3),
-                "bytes_accessed": int(ca["bytes accessed"]),
+                "bytes_accessed": None if b is None else int(b),
                 "selected_weight_bytes": int(selected),
-                "bytes_over_selected": round(ca["bytes accessed"] / selected, 3),
+                "bytes_over_selected": None if b is None else round(b / selected, 3),
                 "max_abs_diff": float(np.abs(out - ref).max()), **env_info()}), flush=True)
     if not args.no_full:
         full_rows(moe)
     return 0
+
+
+def full_layer(cfg):
+    """One Moondream 3 MoE layer at full size, random weights in the config's dtype, made on
+    the device (0.8 GB in bfloat16), scaled like a trained layer's activations."""
+    import jax
+    import numpy as np
+
+    t, m = cfg.text, cfg.text.moe
+    dt = cfg.dtype
+    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
+    return {"router": {"w": (jax.random.normal(k1, (t.dim, m.num_experts)) /
+                             np.sqrt(t.dim)).astype(dt),
+                       "b": (0.05 * jax.random.normal(k2, (m.num_experts,))).astype(dt)},
+            "fc1": (jax.random.normal(k3, (m.num_experts, t.dim, 2 * m.expert_inner_dim), dt)
+                    / np.sqrt(t.dim)).astype(dt),
+            "fc2": (jax.random.normal(k4, (m.num_experts, m.expert_inner_dim, t.dim), dt)
+                    / np.sqrt(m.expert_inner_dim)).astype(dt)}
 
 
 def full_rows(moe) -> None:

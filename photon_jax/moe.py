@@ -19,9 +19,11 @@ Schedules, chosen from static shapes (`schedule`):
   the distinct selected experts (a static U = min(E, N k) slots; `jnp.unique` pads the
   sorted list past the last id when fewer are distinct) are gathered and applied to every
   token -- when few are selected: reading U experts (and writing and reading their gathered
-  copy) costs less than reading all E.  Both are one product batched over experts.  On CPU
-  the `blocks` loop below is faster at 8-32 tokens, but it reads an expert once per block,
-  so decode does not use it (`bench/moe.py` measures each schedule).
+  copy) costs less than reading all E.  Both are one product batched over experts.  When
+  few are selected a CPU uses the `blocks` loop below instead (one-row blocks at 1-2
+  tokens: each assignment's expert read in place, no gathered copy; 5x faster than gather
+  at one token on a full-size layer), a TPU `megablox`; with many, `blocks` would read an
+  expert once per block, so `dense` (`bench/moe.py` measures each schedule).
 - on TPU a decode step that selects few experts uses `megablox` instead of `gather`: XLA:TPU
   gathers the selected experts by copying the whole stack (compiled at Moondream 3's shapes,
   1 token: 0.52 GB of temporaries and 2.3 GB accessed per layer, against dense's 0.81 GB),

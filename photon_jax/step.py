@@ -458,8 +458,11 @@ def default_grouped(platform: str) -> str:
     - CPU: XLA:CPU's ragged_dot is a masked product over every expert as well.
 
     A decode step of few experts uses megablox on TPU, whose grid reads only the selected
-    experts, where XLA:TPU's gather copies the stack; `gather` elsewhere."""
-    return {"gpu": "dense", "tpu": "ragged+megablox"}.get(platform, "blocks")
+    experts, where XLA:TPU's gather copies the stack; on CPU the block loop (blocks of one
+    row: each assignment's expert read in place; XLA:CPU's gather copied them: a full-size
+    Moondream 3 layer at one token 16 ms against 78, `bench/moe.py --layer md3`); `gather`
+    on GPU, where XLA fuses it into the products at one token."""
+    return {"gpu": "dense", "tpu": "ragged+megablox"}.get(platform, "blocks+blocks")
 
 
 def build(cfg: MoondreamConfig, attention: str = "xla",

@@ -108,6 +108,9 @@ def test_schedule_reads_few_experts_by_gather_and_many_densely():
     assert [moe.schedule(n, 64, 8) for n in (1, 2, 4, 32, 64)] == \
         ["gather", "gather", "dense", "dense", "dense"]
     assert moe.schedule(65, 64, 8) == "blocks" and moe.schedule(746, 64, 8, "ragged") == "ragged"
+    # CPU: the block loop where GPUs gather.
+    assert [moe.schedule(n, 64, 8, "blocks+blocks") for n in (1, 2, 4, 746)] == \
+        ["blocks", "blocks", "dense", "blocks"]
     # TPU: megablox where the others gather; ragged_dot for prefill.
     assert [moe.schedule(n, 64, 8, "ragged+megablox") for n in (1, 2, 4, 746)] == \
         ["megablox", "megablox", "dense", "ragged"]

@@ -26,7 +26,7 @@ def test_the_record_of_each_platform():
     assert P.decode_splits([2000], 64) == 1 and P.split_variants(1) == (1,)
     xla = step.choose(tiny(), "cpu", "xla")
     assert xla.sweeps and not xla.shares_prefix and not xla.plans_splits
-    assert xla.host_memory and xla.vision_loop and xla.grouped == "blocks"
+    assert xla.host_memory and xla.vision_loop and xla.grouped == "blocks+blocks"
     assert step.choose(tiny(), "cpu", "xla", "int8").kv_dtype == "int8"
     with pytest.raises(ValueError, match="attention must be one of"):
         step.choose(tiny(), "cpu", "flash")
