@@ -28,7 +28,8 @@ that overruns is killed and the next one starts:
   md3      Moondream 3 at full size (bf16), batch 1 and 32, every loop, the pool sized to
            the run (`bench/gpu_md2.py --md3-only --md3-loops`)
   md2_fp8  the md2 step with float8_e4m3fn K/V (`--kv-dtype`), on whatever time the steps
-           above left
+           above left; then Moondream 3's MoE schedules timed on one full-size layer
+           (`bench/moe.py --layer md3`: dense, blocks, ragged_dot at 1, 746, 2048 tokens)
 
 Every step shares one persistent compile cache (`--work`/xla).  Output folder (`--out`,
 default $OUT): `summary.jsonl`, one line per step (status, seconds, allotment, and the
@@ -224,6 +225,10 @@ def step_md2_fp8(smoke: bool, work: str) -> None:
                           "760", "--no-md3", "--kv-dtype", "float8_e4m3fn"] if smoke else
            ["--batch", "1", "8", "32", "--steps", "32", "--no-md3",
             "--kv-dtype", "float8_e4m3fn"])
+    # Then (in this step: the machine returns 8 files) Moondream 3's MoE schedules on one
+    # full-size layer, which picks GPU's prefill schedule (`step.default_grouped`).
+    _bench("moe.py", ["--tokens", "1", "--reps", "1", "--no-full"] if smoke else
+           ["--layer", "md3", "--tokens", "1", "746", "2048", "--reps", "5", "--no-full"])
 
 
 CHILD = {"env": step_env, "kernels": step_kernels, "engine": step_engine, "md2": step_md2,

@@ -78,8 +78,12 @@ def test_gpu_run_smoke_runs_every_step_on_cpu(tmp_path):
         assert key in md2
     assert md3["ceiling_tok_s"] > 0 and md3["first_position"] == 760
     assert [c["pass"] for c in res["caption"]] == ["cold", "warm"]
-    fp8 = res["md2_fp8"][-1]
+    fp8 = [x for x in res["md2_fp8"] if x.get("kind") != "moe"][-1]
     assert fp8["kv_dtype"] == "float8_e4m3fn" and md2["kv_dtype"] == "float32"
+    # The last step then times the MoE schedules (one layer; small on CPU).
+    moe_rows = [x for x in res["md2_fp8"] if x.get("kind") == "moe"]
+    assert {x["schedule"] for x in moe_rows} >= {"dense", "blocks", "ragged", "chosen"}
+    assert all(x["ms"] > 0 and x["max_abs_diff"] < 1e-3 for x in moe_rows), moe_rows
     assert fp8["floor_bytes"] < md2["floor_bytes"]
     # Each step reports its share of the budget as it ends.
     assert len(re.findall(r"^\[\d/7 \w+\] ok in [\d.]+ s \(allotted \d+ s, limit \d+ s\); "
