@@ -35,9 +35,9 @@ Schedules, chosen from static shapes (`schedule`):
   where ragged_dot is a masked product over every expert too, `blocks`: the assignments
   sorted by expert in blocks of `block` rows of one expert each, and a loop over a static
   number of blocks (an upper bound: the used ones plus at most one padded block per
-  expert) that applies each block's expert.  `megablox`: JAX's
-  Pallas TPU grouped matmul on the same sorted rows, compared with `ragged` for TPU in
-  `bench/tpu_compile.py --moe` (docs/tpu.md).
+  expert) that applies each block's expert.  `megablox`: JAX's Pallas TPU grouped matmul
+  on the same sorted rows, compared with `ragged` for TPU in `bench/tpu_compile.py --moe`
+  (docs/tpu.md).
 - experts split over chips: each chip gets every assignment, those of other chips' experts
   as id E; the grouped schedules count them in no group (no work), the others compute them
   as expert E-1 and the caller drops them.
@@ -95,9 +95,9 @@ SCHEDULES = ("dense", "gather", "blocks", "ragged", "megablox")
 
 def schedule(n_tokens: int, n_experts: int, k: int, grouped: str = "blocks") -> str:
     """The schedule for a call on n_tokens tokens (static): see the module docstring.
-    `grouped`: the prefill schedule, or "PREFILL+megablox": that prefill, and megablox in
-    place of gather for a decode step that selects few experts (TPU; "megablox-interpret":
-    the same kernel under Pallas's interpreter, for tests off TPU)."""
+    `grouped`: the prefill schedule, or "PREFILL+FEW": that prefill, and FEW in place of
+    gather for a decode step that selects few experts ("blocks" on CPU, "megablox" on TPU;
+    "megablox-interpret": that kernel under Pallas's interpreter, for tests off TPU)."""
     prefill, _, few = grouped.partition("+")
     if n_tokens > DECODE_TOKENS:
         return prefill
@@ -259,8 +259,8 @@ def moe_mlp(p, x_TD, k: int, with_routes: bool = False, grouped: str = "blocks",
             schedule_: str | None = None, unroll: bool = False, tp=None,
             interpret: bool = False):
     """The mixture-of-experts MLP on [..., D] inputs; `with_routes` also returns the routing
-    (ids, weights), each [..., k].  `grouped`: the prefill schedule ("blocks" on CPU,
-    "ragged" on GPU); `schedule_` forces one (tests, benchmarks); `unroll` unrolls the block
+    (ids, weights), each [..., k].  `grouped`: the platform's schedules (`schedule`,
+    `step.default_grouped`); `schedule_` forces one (tests, benchmarks); `unroll` unrolls the block
     loop (so XLA's cost analysis, which counts a loop body once, sees every block).  `tp`:
     experts split over a mesh (`sharding.TensorParallel.experts`; None: one device).
     `interpret`: the megablox kernel through Pallas's interpreter (off TPU)."""
