@@ -30,9 +30,11 @@ import jax
 import numpy as np
 
 from .config import MoondreamConfig
+from . import moe
 from .dtypes import canonical
 from .stepmeta import Arenas
 from .pages import pages_for
+from .sharding import local_experts
 
 GiB = 1 << 30
 CPU_POOL_CAP = 4 * GiB
@@ -117,10 +119,9 @@ def prefill_token_bytes(cfg: MoondreamConfig, prefill_tokens: int = PREFILL_TOKE
     if t.moe is not None:
         d, inner, k = t.dim, t.moe.expert_inner_dim, t.moe.experts_per_token
         mlp = k * (d * it + 2 * inner * (4 + it) + inner * it + d * 4 + 2 * d * it)
-        if grouped.partition("+")[0] == "dense":
-            e = t.moe.num_experts
-            local = e // mesh_size if mesh_size > 1 and e % mesh_size == 0 else e
-            mlp = max(mlp, local * 3 * inner * it)
+        e = t.moe.num_experts
+        if moe.schedule(prefill_tokens, e, k, grouped) == "dense":
+            mlp = max(mlp, local_experts(e, mesh_size) * 3 * inner * it)
     else:
         mlp = t.ff_dim * (4 + 2 * it)
     split = mesh_size > 1 and t.n_kv_heads % mesh_size == 0

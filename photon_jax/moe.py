@@ -48,6 +48,8 @@ Schedules, chosen from static shapes (`schedule`):
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -90,7 +92,6 @@ def block_size(n_assign: int, n_experts: int) -> int:
 
 
 DECODE_TOKENS = 64
-SCHEDULES = ("dense", "gather", "blocks", "ragged", "megablox")
 
 
 def schedule(n_tokens: int, n_experts: int, k: int, grouped: str = "blocks") -> str:
@@ -251,30 +252,27 @@ def _megablox(p, x_ND, ids_NK, interpret: bool = False):
 
 
 _APPLY = {"dense": _dense, "gather": _gather, "blocks": _blocks, "ragged": _ragged,
-          "megablox": _megablox}
-GROUPED = ("ragged", "megablox")   # schedules that skip an id of E (another chip's expert)
+          "megablox": _megablox, "megablox-interpret": partial(_megablox, interpret=True)}
+# The schedules that skip an id of E (another chip's expert); the others compute it.
+GROUPED = ("ragged", "megablox", "megablox-interpret")
 
 
 def moe_mlp(p, x_TD, k: int, with_routes: bool = False, grouped: str = "blocks",
-            schedule_: str | None = None, unroll: bool = False, tp=None,
-            interpret: bool = False):
+            schedule_: str | None = None, unroll: bool = False, tp=None):
     """The mixture-of-experts MLP on [..., D] inputs; `with_routes` also returns the routing
     (ids, weights), each [..., k].  `grouped`: the platform's schedules (`schedule`,
     `step.default_grouped`); `schedule_` forces one (tests, benchmarks); `unroll` unrolls the block
     loop (so XLA's cost analysis, which counts a loop body once, sees every block).  `tp`:
-    experts split over a mesh (`sharding.TensorParallel.experts`; None: one device).
-    `interpret`: the megablox kernel through Pallas's interpreter (off TPU)."""
+    experts split over a mesh (`sharding.TensorParallel.experts`; None: one device)."""
     lead, d = x_TD.shape[:-1], x_TD.shape[-1]
     x = x_TD.reshape(-1, d)
     ids, w = route(p, x, k)
     how = schedule_ or schedule(x.shape[0], p["fc1"].shape[0], k, grouped)
     def apply(w, x, ids):
-        if how.split("-")[0] not in GROUPED:   # these compute every id: another chip's
-            ids = jnp.minimum(ids, w["fc1"].shape[0] - 1)   # expert -> any (dropped)
+        if how not in GROUPED:   # another chip's expert computed as any (the caller drops it)
+            ids = jnp.minimum(ids, w["fc1"].shape[0] - 1)
         if how == "blocks":
             return _blocks(w, x, ids, unroll)
-        if how.startswith("megablox"):
-            return _megablox(w, x, ids, interpret=interpret or how == "megablox-interpret")
         return _APPLY[how](w, x, ids)
 
     y = apply(p, x, ids) if tp is None else tp.experts(apply, p, x, ids)

@@ -51,6 +51,14 @@ _TEXT_LINEARS = ("qkv", "proj", "fc1", "fc2")
 _OUT_AXIS = {"w": -1, "w_vd": -2, "b": -1}
 
 
+def local_experts(n_experts: int, mesh_size: int) -> int:
+    """Experts one chip holds: an equal share, or all of them when they do not divide
+    (`param_spec`'s rule for the experts' axis)."""
+    if mesh_size > 1 and n_experts % mesh_size == 0:
+        return n_experts // mesh_size
+    return n_experts
+
+
 def make_mesh(tensor_parallel: int, devices=None) -> Mesh:
     """A one-axis mesh over the first `tensor_parallel` of `devices` (default: the local
     devices)."""
@@ -175,7 +183,7 @@ class TensorParallel:
         (token, expert) product comes from the one chip holding the expert, the others add
         zeros (`psum`, exact)."""
         e = p["fc1"].shape[0]
-        if self.n == 1 or e % self.n:
+        if local_experts(e, self.n) == e:
             return apply(p, x_ND, ids_NK)
 
         def local(w, x, ids):

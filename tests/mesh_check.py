@@ -90,8 +90,8 @@ def moe_split() -> dict:
     x = jax.random.normal(jax.random.PRNGKey(22), (90, d))
     tp, out = TensorParallel(MESH), {}
     for how, n in (("dense", 8), ("gather", 2), ("blocks", 90), ("ragged", 90),
-                   ("megablox", 90)):
-        fn = partial(moe.moe_mlp, k=k, schedule_=how, interpret=how == "megablox")
+                   ("megablox-interpret", 90)):
+        fn = partial(moe.moe_mlp, k=k, schedule_=how)
         one = np.asarray(jax.jit(fn)(p, x[:n]))
         split = np.asarray(jax.jit(partial(fn, tp=tp))(p, x[:n]))
         out[how] = bool(np.array_equal(one, split))
