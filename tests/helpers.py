@@ -27,6 +27,13 @@ GREEDY = {"temperature": 0, "max_tokens": 6}
 MD3_BIASES = {0: 0.8, 5: 17.0, 6: 16.0}
 
 
+# The CPU kernel's paths (`photon_jax/csrc/paged_attention.cc`), (head dim, page size):
+# head dims that are a multiple of 8 are vectorized -- Moondream's 64 (values 64 lanes at a
+# time), 96 (then 32 more), 24 with a page of 12 positions (8 lanes, a softmax padded to 16)
+# -- and any other runs element by element (20).
+CPU_KERNEL_SHAPES = [(64, 16), (96, 16), (24, 12), (20, 16)]
+CPU_KERNEL_SHAPE_IDS = ["h64", "h96", "h24-page12", "h20"]
+
 def biased_model(ckpt: str, biases: dict, device=None):
     """The checkpoint's model with `biases` ({token id: value}) added to the LM head's bias:
     random weights rarely emit EOS, coordinates or grounding ids on their own."""

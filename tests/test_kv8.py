@@ -16,7 +16,7 @@ from photon_jax import cpukernel, kvpool, memory, stepmeta as M, step as step_mo
 from photon_jax.config import moondream2
 from photon_jax.pages import pages_for
 
-from helpers import FIXTURE_DIR, pallas_attention
+from helpers import CPU_KERNEL_SHAPE_IDS, CPU_KERNEL_SHAPES, FIXTURE_DIR, pallas_attention
 
 FORMATS = ["int8", "float8_e4m3fn"]
 
@@ -171,8 +171,7 @@ def test_cpu_kernel_decodes_every_e4m3_code_exactly(h):
 
 @ON_CPU
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("h,page", [(64, 16), (24, 12), (20, 16)],
-                         ids=["h64", "h24-page12", "h20"])   # vectorized and element-wise
+@pytest.mark.parametrize("h,page", CPU_KERNEL_SHAPES, ids=CPU_KERNEL_SHAPE_IDS)
 def test_cpu_kernel_shared_pages_and_empty_rows(fmt, h, page):
     """Our C++ kernel, GQA: rows of 0 / 17 / 64 positions and a row reading another's pages
     (a shared prefix), float64 on the dequantized pages; a row of length 0 is zeros; 8-bit
