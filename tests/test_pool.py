@@ -23,6 +23,7 @@ from photon_jax.params import abstract_params, init_params
 from photon_jax.settings import Settings
 from photon_jax.tokenizer import load_tokenizer
 
+import helpers
 from helpers import FIXTURE_DIR, biased_model, pallas_attention
 
 IMAGES = [os.path.join(FIXTURE_DIR, f) for f in
@@ -150,10 +151,8 @@ def test_sweep_and_pallas_kernel_equal_dense_attention(kh, g):
     assert np.all(sweep[6:] == 0)   # padding rows of the bucket own no page
 
 
-# The kernel's two paths: head dims that are a multiple of 8 (vectorized; Moondream's 64,
-# and a page of 12 positions, which its 8-wide softmax pads) and any other (element-wise).
-CPU_KERNEL_SHAPES = pytest.mark.parametrize("h,page", [(64, 16), (24, 12), (20, 16)],
-                                            ids=["h64", "h24-page12", "h20"])
+CPU_KERNEL_SHAPES = pytest.mark.parametrize("h,page", helpers.CPU_KERNEL_SHAPES,
+                                            ids=helpers.CPU_KERNEL_SHAPE_IDS)
 
 
 @pytest.mark.parametrize("kh,g", [(4, 1), (2, 4)], ids=["mha", "gqa"])
@@ -354,7 +353,7 @@ def test_a_small_pool_makes_requests_wait_evicts_and_recreates_prefixes(model, t
         s = Settings(temperature=0.0 if i % 3 else 0.8, seed=i,
                      max_tokens=int(rng.integers(4, 20)))
         prompt = pr.caption("short") if i % 2 else pr.query(f"w{rng.integers(50, 900)}")
-        reqs.append(Request("text", prompt, images[int(rng.integers(4))], s))
+        reqs.append(Request("text", prompt, images[i % 4], s))   # each of the four, 3 times
     # After the threads, a request on a fifth image: with four prefixes cached it must
     # evict one (whatever the threads' timing did before).
     last = Request("text", pr.caption("short"), images[4], Settings(temperature=0.0,
