@@ -327,7 +327,7 @@ def write_tokens_q(arenas: tuple, scales, page_X, off_X, x_XKH, max_pages: int |
 
 
 def write_pages_merged(arenas: tuple, uniq_U, index, upd) -> tuple:
-    """Positions into whole pages of the TPU layout's arenas (codes [rows, Pa, T, L], an
+    """Positions into whole pages of the TPU layout's arenas (codes [rows, Pa, B, L], an
     8-bit pool's scales [rows, Pa, f*B]): the pages `uniq_U` (each written page once,
     padded with ids past every arena) are gathered, `upd` [rows, X, ...] set into that
     small copy at `index` (its page slot and offset, or lane, per position), and the pages
@@ -414,7 +414,7 @@ def write_rows(arenas_k: tuple, arenas_v: tuple, page_R, off_R, k_RKH, v_RKH,
 
 def gather_pages(arenas: tuple, page_X):
     """[K, X..., B, H]: whole pages, by global id, from whichever arena holds each (scales:
-    [K, X..., T])."""
+    [K, X..., B])."""
     out = None
     for a, (st, n) in zip(arenas, _spans(arenas)):
         loc = _local(st, n, page_X)

@@ -115,11 +115,11 @@ def pack_heads(x_XKH, lanes: int):
 
 
 def unpack_heads(x_JXBL, n_kv_heads: int, head_dim: int):
-    """Gathered pages of the TPU layout [J, X..., T, f * H] -> [K, X..., B, H]."""
+    """Gathered pages of the TPU layout [J, X..., B, f * H] -> [K, X..., B, H]."""
     j, *mid, lanes = x_JXBL.shape
     f = lanes // head_dim
     x = x_JXBL.reshape(j, *mid, f, head_dim)
-    x = jnp.moveaxis(x, -2, 1)                                   # [J, f, X..., T, H]
+    x = jnp.moveaxis(x, -2, 1)                                   # [J, f, X..., B, H]
     return x.reshape(j * f, *mid, head_dim)[:n_kv_heads]
 
 
@@ -134,10 +134,10 @@ def pack_scales(sc_XK, rows: int, f: int):
 
 
 def unpack_scales(sc_JXL, n_kv_heads: int, page_size: int):
-    """Gathered scales of the TPU layout [J, X..., f * T] -> [K, X..., T]."""
+    """Gathered scales of the TPU layout [J, X..., f * B] -> [K, X..., B]."""
     j, *mid, lanes = sc_JXL.shape
     f = lanes // page_size
-    x = jnp.moveaxis(sc_JXL.reshape(j, *mid, f, page_size), -2, 1)   # [J, f, X..., T]
+    x = jnp.moveaxis(sc_JXL.reshape(j, *mid, f, page_size), -2, 1)   # [J, f, X..., B]
     return x.reshape(j * f, *mid, page_size)[:n_kv_heads]
 
 
@@ -158,7 +158,7 @@ def block_pages(table_width: int, page_size: int, rows: int, lanes: int, itemsiz
 
 
 def scale_shape(rows: int, pages: int, page_size: int, f: int) -> tuple:
-    """The TPU layout of an 8-bit pool's scales: [rows, P, f * T], the scales of pool row
+    """The TPU layout of an 8-bit pool's scales: [rows, P, f * B], the scales of pool row
     j's f heads on page p in one lane row, head s's B positions in lanes [s*B, (s+1)*B)."""
     return (rows, pages, f * page_size)
 
@@ -337,7 +337,7 @@ def attend(k_pool, v_pool, q_RQH, pt_RM, length_R, *, n_kv_heads: int,
     [R] -> [R, Q * H] in q's dtype.  Scores and softmax in float32; the products take the
     pool's dtype (float32 pools: full float32 precision).
 
-    An int8 pool comes with its scales `ks_pool`, `vs_pool` [ceil(K / f), P, f * T] float32
+    An int8 pool comes with its scales `ks_pool`, `vs_pool` [ceil(K / f), P, f * B] float32
     (`scale_shape`): the codes are copied as bytes and widened in VMEM to q's dtype (exact),
     the K scales multiply the scores and the V scales the probabilities; the products then
     take q's dtype (float32: full precision).

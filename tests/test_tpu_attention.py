@@ -146,7 +146,7 @@ def quantized(x_KPBH, fmt):
 
 
 def packed_scales(sc_KPB, f):
-    """[K, P, B] scales in the TPU layout [ceil(K / f), P, f * T] (`ta.scale_shape`)."""
+    """[K, P, B] scales in the TPU layout [ceil(K / f), P, f * B] (`ta.scale_shape`)."""
     k, p, t = sc_KPB.shape
     rows = -(-k // f)
     x = ta.pack_scales(jnp.asarray(sc_KPB).transpose(1, 2, 0), rows, f)   # [rows, P, B, f]
