@@ -13,7 +13,7 @@
 //                               also as uint8: its bytes, how a CPU pool stores it)
 //   ks, vs [K, P, B]  float32   per-position scales of 8-bit pages (value = code * scale;
 //                               ignored, and may be empty, for float32 / bfloat16 pages)
-//   table  [R, M]     int32     a row's pages in logical order (page j = positions jT..jT+T-1)
+//   table  [R, M]     int32     a row's pages in logical order (page j = positions jB..jB+B-1)
 //   length [R]        int32     positions a row attends (0: the row is padding)
 //   out    [R, N, H]  float32
 // Attribute `scale`: multiplies q.k (1 / sqrt(H)).
