@@ -60,8 +60,8 @@ SIZES = [(378, 378), (640, 480), (800, 600), (1024, 768), (1500, 400), (512, 600
 def write_checkpoint(name: str, folder: str, dtype: str = "float32") -> str:
     import jax
 
-    from photon_jax import checkpoint
-    from photon_jax.text import stack_layers
+    from photon_jax.model import checkpoint
+    from photon_jax.model.text import stack_layers
 
     model = build_model(name)
     params = jax.tree.map(lambda a: a.astype(dtype), model.params)

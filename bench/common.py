@@ -38,7 +38,7 @@ def reexec_with_allocator_env(script: str) -> None:
 # -- configs and models -----------------------------------------------------------------------
 
 def small_config():
-    from photon_jax.config import MoondreamConfig, RegionConfig, TextConfig, VisionConfig
+    from photon_jax.model.config import MoondreamConfig, RegionConfig, TextConfig, VisionConfig
 
     return MoondreamConfig(
         text=TextConfig(dim=512, ff_dim=2048, n_layers=4, vocab_size=32768, max_context=1024,
@@ -51,19 +51,19 @@ def small_config():
 
 
 def tiny_config():
-    from photon_jax.config import tiny
+    from photon_jax.model.config import tiny
 
     return tiny()
 
 
 def md2_config():
-    from photon_jax.config import moondream2
+    from photon_jax.model.config import moondream2
 
     return moondream2("bfloat16")
 
 
 def md3_config():
-    from photon_jax.config import moondream3
+    from photon_jax.model.config import moondream3
 
     return moondream3("bfloat16")
 
@@ -74,7 +74,7 @@ def small_md3_config():
     heads."""
     from dataclasses import replace
 
-    from photon_jax.config import MoEConfig, moondream3
+    from photon_jax.model.config import MoEConfig, moondream3
 
     base, md3 = small_config(), moondream3("float32")
     return replace(md3, text=replace(base.text, rope_theta=1.5e6, tau=True,
@@ -87,7 +87,7 @@ def small_v27_config():
     reference can run (it takes the vision layer count as the patch grid side)."""
     from dataclasses import replace
 
-    from photon_jax.config import tiny
+    from photon_jax.model.config import tiny
 
     return replace(small_config(), vision=replace(tiny().vision, proj_out_dim=512))
 
@@ -104,8 +104,8 @@ def build_model(name: str, eos_bias: float = 0.0, dtype: str | None = None,
     import jax
 
     from photon_jax.model import Model
-    from photon_jax.params import init_params
-    from photon_jax.tokenizer import load_tokenizer
+    from photon_jax.model.params import init_params
+    from photon_jax.model.tokenizer import load_tokenizer
 
     cfg = CONFIGS[name]()
     if dtype:
@@ -114,7 +114,7 @@ def build_model(name: str, eos_bias: float = 0.0, dtype: str | None = None,
     if eos_bias:
         head = params["text"]["lm_head"]
         head["b"] = head["b"].at[cfg.tokenizer.eos_id].add(eos_bias)
-    from photon_jax.kvpool import canonical_kv_dtype
+    from photon_jax.engine.kvpool import canonical_kv_dtype
 
     model = Model(cfg, params, load_tokenizer(TOKENIZER))
     model.bench_kv_dtype = canonical_kv_dtype(kv_dtype, cfg.dtype)
@@ -132,7 +132,7 @@ def prefix(model):
     import jax
     import numpy as np
 
-    from photon_jax.frontend import ImagePrefix
+    from photon_jax.engine.frontend import ImagePrefix
 
     t = model.cfg.text
     shape = (t.n_layers, model.cfg.prefix_len, t.n_kv_heads, t.head_dim)
@@ -151,8 +151,8 @@ def requests(model, enc, batch: int, steps: int, settings=None, ignore_eos=True,
              prompt_tokens: int = PROMPT_TOKENS):
     import numpy as np
 
-    from photon_jax.engine import Request
-    from photon_jax.settings import Settings
+    from photon_jax.engine.request import Request
+    from photon_jax.engine.settings import Settings
 
     rng = np.random.default_rng(0)
     s = settings or Settings(temperature=0.0, max_tokens=steps + 1)   # token 0: the prefill
@@ -166,7 +166,7 @@ def run_tokens(batch: int, positions: int, page_size: int = 64) -> int:
     """KV positions a run of `batch` rows reaching `positions` each needs: whole pages per
     row and one spare row's worth (an accelerator's pool is sized to the run, not to 90% of
     its memory: Moondream 3's 32k context x 32 rows would ask for 206 GB)."""
-    from photon_jax.pages import pages_for
+    from photon_jax.engine.pages import pages_for
 
     return (batch + 1) * pages_for(positions + 1, page_size) * page_size
 
@@ -178,7 +178,7 @@ def memory_plan(model, batch: int, page_size: int = 64, kv_cache_tokens: int | N
     context)."""
     import jax
 
-    from photon_jax import memory, step
+    from photon_jax.engine import memory
 
     cfg = model.cfg
     plat = jax.devices()[0].platform
@@ -194,7 +194,7 @@ def memory_plan(model, batch: int, page_size: int = 64, kv_cache_tokens: int | N
 def row_tables(batch: int, positions: int, page_size: int) -> list[list[int]]:
     """Page tables of `batch` rows holding `positions` positions each, pages handed out
     lowest-first (page 0 is the dummy page)."""
-    from photon_jax.pages import pages_for
+    from photon_jax.engine.pages import pages_for
 
     n = pages_for(positions, page_size)
     return [list(range(1 + r * n, 1 + (r + 1) * n)) for r in range(batch)]
@@ -207,8 +207,8 @@ def decode_metas(model, batch: int, first: int, steps: int, plan, owners: bool =
     kernels)."""
     import numpy as np
 
-    from photon_jax.stepmeta import pack_decode
-    from photon_jax.pages import pages_for
+    from photon_jax.engine.pages import pages_for
+    from photon_jax.engine.stepmeta import pack_decode
 
     page = plan.page_size
     tables = row_tables(batch, first + steps, page)
@@ -235,7 +235,7 @@ def device_state(model, batch: int, steps: int, page_size: int = 64,
     import jax
     import numpy as np
 
-    from photon_jax import constraints, stepmeta as M, step as step_mod
+    from photon_jax.engine import constraints, step as step_mod, stepmeta as M
 
     cfg = model.cfg
     plan = memory_plan(model, batch, page_size, positions=start(model, prompt_tokens) + steps)
@@ -253,7 +253,7 @@ def device_state(model, batch: int, steps: int, page_size: int = 64,
     # The GPU kernel's split count, planned from the last step's lengths as the engine
     # plans each step (1 for the other attentions).
     d = jax.devices()[0]
-    splits = model.programs.decode_splits(
+    splits = step_mod.programs_of(model).decode_splits(
         metas[-1][M.M_POS][:batch] + 1, page_size,
         getattr(d, "core_count", None) if d.platform == "gpu" else None)
     return {"pool": dev.pool, "slot": dev.slots[0], "pending": dev.pending,
@@ -274,9 +274,11 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     import jax.numpy as jnp
     import numpy as np
 
-    from photon_jax import cpukernel, memory, step as step_mod
-    from photon_jax.params import abstract_params
-    from photon_jax.text import unstack_layers
+    from photon_jax.engine import memory, step as step_mod
+    from photon_jax.kernels import cpukernel
+    from photon_jax.model import platforms
+    from photon_jax.model.params import abstract_params
+    from photon_jax.model.text import unstack_layers
 
     # The pool `memory_plan` gives the benchmark's runs on this backend.
     tokens = batch * cfg.text.max_context
@@ -284,7 +286,7 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
         tokens += 4 * cfg.prefix_len
     plan = memory.plan(cfg, platform=platform_, max_batch_size=batch,
                        max_context=cfg.text.max_context, page_size=page_size,
-                       kv_cache_tokens=tokens, free=None, sweep=step_mod.sweeps(attention),
+                       kv_cache_tokens=tokens, free=None, sweep=platforms.sweeps(attention),
                        kv_dtype=kv_dtype)
 
     class _Model:
@@ -293,7 +295,7 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     m = _Model()
     m.cfg = cfg
     metas, pages, n_arenas = decode_metas(m, batch, position, 1, plan,
-                                          owners=step_mod.sweeps(attention))
+                                          owners=platforms.sweeps(attention))
     params = jax.eval_shape(unstack_layers, abstract_params(cfg))   # as a loaded model
     dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes[:n_arenas],
                                         page_size=page_size, max_batch_size=batch,
@@ -319,7 +321,7 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     kv = batch * (position + 1) * memory.bytes_per_token(cfg, kv_dtype=kv_dtype)
     logits = batch * t.vocab_size * 4
     floor = weights + kv + logits
-    if step_mod.sweeps(attention):
+    if platforms.sweeps(attention):
         swept = plan.arenas.pages_in(n_arenas) * page_size * \
             memory.bytes_per_token(cfg, kv_dtype=kv_dtype)
     else:   # the kernels read each row's positions 0..position through its page table
@@ -352,7 +354,7 @@ def engine_run(model, enc, batch: int, steps: int, pipelined: bool, host_work_ms
     """-> (decode tokens/s, host ms per decode step, its parts in ms)."""
     import jax
 
-    from photon_jax.engine import Engine
+    from photon_jax.engine.core import Engine
 
     # An accelerator's default pool is most of its memory; the run needs only this much.
     tokens = None if jax.devices()[0].platform == "cpu" else \
@@ -384,7 +386,9 @@ def ceiling_run(model, batch: int, steps: int, warm: bool = False,
     """Decode tokens/s of the ceiling: `steps` forward + sample steps in one scan."""
     import jax
 
-    P = model.programs
+    from photon_jax.engine import step
+
+    P = step.programs_of(model)
     st = device_state(model, batch, steps, prompt_tokens=prompt_tokens)
     put = jax.device_put
 
@@ -410,7 +414,9 @@ def component_times(model, batch: int, steps: int, reps: int = 5,
     loops count as host time)."""
     import jax
 
-    P = model.programs
+    from photon_jax.engine import step
+
+    P = step.programs_of(model)
     st = device_state(model, batch, steps, prompt_tokens=prompt_tokens)
     i = steps // 2
     meta_d, pages_d = jax.device_put(st["metas"][i]), jax.device_put(st["pages"][i])

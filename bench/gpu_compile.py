@@ -61,7 +61,7 @@ device_description_str: "NVIDIA H200 (described)"
 
 
 def h200_device():
-    from photon_jax import compat
+    from photon_jax.base import compat
 
     topo = compat.topology_desc(platform="cuda", topology_name="", topology="1x1x1",
                                 target_config=H200)
@@ -111,7 +111,7 @@ def kernel_rows(device, kv_dtypes=tuple(KERNEL_DTYPES)):
     positions (Moondream 2's context) at 1 and 16 splits."""
     import jax
     import jax.numpy as jnp
-    from photon_jax import gpu_attention as ga
+    from photon_jax.kernels import gpu_attention as ga
 
     rows, kv_heads, heads, dim = 32, 32, 32, 64
     ints = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
@@ -152,9 +152,9 @@ def decode_args(cfg, batch: int, page: int, free: int | None, kv_cache_tokens=No
     import jax
     import jax.numpy as jnp
 
-    from photon_jax import memory, stepmeta as M, step as step_mod
-    from photon_jax.params import abstract_params
-    from photon_jax.text import unstack_layers
+    from photon_jax.engine import memory, step as step_mod, stepmeta as M
+    from photon_jax.model.params import abstract_params
+    from photon_jax.model.text import unstack_layers
 
     ctx = cfg.text.max_context
     plan = memory.plan(cfg, platform="gpu", max_batch_size=batch, max_context=ctx,
@@ -180,7 +180,7 @@ def program_rows(device, batch: int, models):
     import numpy as np
 
     from common import CONFIGS
-    from photon_jax import stepmeta as M, step as step_mod
+    from photon_jax.engine import step as step_mod, stepmeta as M
 
     page = 64
     for name in models:
@@ -237,7 +237,7 @@ def image_rows(P, params, cfg, device, info):
     import numpy as np
     from PIL import Image
 
-    from photon_jax import pixels as image_mod
+    from photon_jax.model import pixels as image_mod
 
     rgb = Image.fromarray(np.zeros((900, 1200, 3), np.uint8))
     crops = image_mod.make_crops(rgb, cfg.vision)

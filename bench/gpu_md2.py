@@ -55,7 +55,7 @@ def md3_layers_that_fit(cfg) -> tuple[int, bool]:
     the default device's free memory."""
     import jax
 
-    from photon_jax import memory
+    from photon_jax.engine import memory
 
     free = memory.device_free(jax.devices()[0])
     full = cfg.text.n_layers
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import jax
 
-    from photon_jax import compile_cache
+    from photon_jax.engine import compile_cache
 
     cache = compile_cache.enable()
     print(f"device: {jax.devices()[0]}; compilation cache: {cache}", file=sys.stderr)

@@ -76,7 +76,9 @@ def step_env(smoke: bool, work: str) -> None:
 
     import jax
 
-    from photon_jax import compat, hostsync, step
+    from photon_jax.base import compat
+    from photon_jax.engine import hostsync
+    from photon_jax.model import platforms
 
     pkgs = {}
     for name in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
@@ -111,7 +113,7 @@ def step_env(smoke: bool, work: str) -> None:
     emit(step="env", python=sys.version.split()[0], platform=platform.platform(),
          packages=pkgs, backend=jax.default_backend(), devices=devices, nvidia_smi=smi,
          compat=checks, tested_jax=compat.TESTED_JAX,
-         default_attention=step.default_attention(jax.default_backend()),
+         default_attention=platforms.default_attention(jax.default_backend()),
          gpu_rules_emulated=hostsync.emulating_gpu_transfers(), cpu_count=os.cpu_count())
 
 
@@ -160,7 +162,7 @@ def step_engine(smoke: bool, work: str) -> None:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from helpers import MD3_BIASES, biased_model, run_surfaces
 
-    from photon_jax import hostsync
+    from photon_jax.engine import hostsync
     from photon_jax.model import Model
 
     md2 = _fixture_ckpt("moondream2-tiny", work)
@@ -226,7 +228,7 @@ def step_md2_fp8(smoke: bool, work: str) -> None:
            ["--batch", "1", "8", "32", "--steps", "32", "--no-md3",
             "--kv-dtype", "float8_e4m3fn"])
     # Then (in this step: the machine returns 8 files) Moondream 3's MoE schedules on one
-    # full-size layer, which picks GPU's prefill schedule (`step.default_grouped`).
+    # full-size layer, which picks GPU's prefill schedule (`platforms.default_grouped`).
     _bench("moe.py", ["--tokens", "1", "--reps", "1", "--no-full"] if smoke else
            ["--layer", "md3", "--tokens", "1", "746", "2048", "--reps", "5", "--no-full"])
 

@@ -76,8 +76,8 @@ def jax_kernel_traffic(lengths, *, kv_heads, group, head_dim, page_size, table_w
 
 
 def main() -> None:
-    from photon_jax import gpu_attention as ga
-    from photon_jax.config import moondream2
+    from photon_jax.kernels import gpu_attention as ga
+    from photon_jax.model.config import moondream2
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])

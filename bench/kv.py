@@ -12,7 +12,7 @@ step (every layer: write the new position, attend) for each formulation, one JSO
                 pool in place; per-page partials combined in each row's page order
   paged_sweep_mul  the same sweep as elementwise multiply + reduce instead of matmuls
   paged_kernel  what photon_jax runs on CPU when a C++ compiler is present: our kernel
-                (`photon_jax/cpukernel.py`) walks each row's page table to its length, one
+                (`photon_jax/kernels/cpukernel.py`) walks each row's page table to its length, one
                 online-softmax pass per (row, kv head); XLA's cost analysis cannot see into
                 it, so its bytes are XLA's plus what the kernel reads and writes
 
@@ -43,9 +43,9 @@ def formulations(cfg, batch: int, position: int, page: int):
     import jax.numpy as jnp
     import numpy as np
 
-    from photon_jax import kvpool, stepmeta as M
-    from photon_jax.layers import attention
-    from photon_jax.pages import pages_for
+    from photon_jax.engine import kvpool, stepmeta as M
+    from photon_jax.engine.pages import pages_for
+    from photon_jax.model.layers import attention
 
     t = cfg.text
     L, K, H = t.n_layers, t.n_kv_heads, t.head_dim
@@ -132,9 +132,9 @@ def formulations(cfg, batch: int, position: int, page: int):
                      ("paged_sweep_mul", sweep_mul)):
         out[name] = (paged(fn), [pool(), pool(), q, new])
 
-    # paged_kernel: the CPU kernel (photon_jax/cpukernel.py) over one arena holding every
+    # paged_kernel: the CPU kernel (photon_jax/kernels/cpukernel.py) over one arena holding every
     # page, as the engine lays the pool out for it; it walks each row's table to its length.
-    from photon_jax import cpukernel
+    from photon_jax.kernels import cpukernel
     if jax.default_backend() == "cpu" and cpukernel.load():
         length = jnp.asarray(pos + 1)
         one = M.Arenas((arenas.n_pages,))
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
     reexec_with_allocator_env(__file__)
-    from photon_jax import cpukernel
+    from photon_jax.kernels import cpukernel
 
     cfg = CONFIGS[args.config]().with_dtype("float32")
     t = cfg.text

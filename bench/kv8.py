@@ -38,10 +38,10 @@ def teacher_force(model, kv_dtype, tokens, enc=None, greedy_steps: int = 0, page
     import jax.numpy as jnp
     import numpy as np
 
-    from photon_jax import stepmeta as M, reference, step as step_mod
-    from photon_jax.pages import pages_for
+    from photon_jax.engine import reference, step as step_mod, stepmeta as M
+    from photon_jax.engine.pages import pages_for
 
-    cfg, prog = model.cfg, model.programs
+    cfg, prog = model.cfg, step_mod.programs_of(model)
     enc = enc if enc is not None else reference.encode_image(model, IMAGE)
     n_pre = cfg.prefix_len
     total = n_pre + len(tokens) + greedy_steps
@@ -92,7 +92,7 @@ def fidelity(ref, got) -> dict:
 def measure(model, steps: int, prompt=None, formats=("int8", "float8_e4m3fn")) -> dict:
     """The reference run (greedy continuation of `prompt`, unquantized), then each format
     teacher-forced on its tokens."""
-    from photon_jax import reference
+    from photon_jax.engine import reference
 
     enc = reference.encode_image(model, IMAGE)
     prompt = prompt or model.prompts.caption("normal")

@@ -54,13 +54,13 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from photon_jax import moe, step
-    from photon_jax.params import init_params
-    from photon_jax.text import unstack_layers
+    from photon_jax.model import moe, platforms
+    from photon_jax.model.params import init_params
+    from photon_jax.model.text import unstack_layers
 
     platform = jax.default_backend()
     if args.layer == "md3":
-        from photon_jax import config
+        from photon_jax.model import config
 
         cfg = config.moondream3("float32" if platform == "cpu" else "bfloat16")
         p = full_layer(cfg)
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         distinct = len(np.unique(np.asarray(ids)))
         selected = distinct * expert_bytes + router_bytes
         ref = np.asarray(jax.jit(partial(moe.dense_reference, k=k))(p, x).astype("float32"))
-        chosen = moe.schedule(n, e, k, step.default_grouped(platform))
+        chosen = moe.schedule(n, e, k, platforms.default_grouped(platform))
         for name in ("dense", "gather", "blocks", "ragged", "chosen"):
             if args.layer == "md3" and name == "gather" and n > moe.DECODE_TOKENS:
                 continue   # (a copy of the whole stack: not a prefill schedule)
@@ -134,9 +134,9 @@ def full_rows(moe) -> None:
 
     import jax
 
-    from photon_jax import config
-    from photon_jax.params import init_params
-    from photon_jax.text import unstack_layers
+    from photon_jax.model import config
+    from photon_jax.model.params import init_params
+    from photon_jax.model.text import unstack_layers
 
     for dtype in ("float32", "bfloat16"):
         cfg = config.moondream3(dtype)

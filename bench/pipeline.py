@@ -84,10 +84,10 @@ def zombies(config: str, batch: int, mode: str, mean_len: int = 60) -> dict:
     1/mean_len under the model's own logits (T = 1); every EOS finish rides one extra step."""
     import numpy as np
 
-    from photon_jax.engine import Engine
-    from photon_jax.settings import Settings
+    from photon_jax.engine.core import Engine
+    from photon_jax.engine.settings import Settings
 
-    from photon_jax import reference
+    from photon_jax.engine import reference
 
     model = build_model(config)
     enc = prefix(model)
@@ -226,7 +226,7 @@ def child(args) -> None:
     if args.md2_bytes:   # compile only, from abstract shapes: nothing of full size exists
         import jax
 
-        from photon_jax.step import default_attention
+        from photon_jax.engine.step import default_attention
 
         # This backend's decode attention, and the XLA sweep beside it on CPU.
         attentions = dict.fromkeys([default_attention(jax.devices()[0].platform), "xla"])

@@ -38,8 +38,9 @@ def image(crops: int, seed: int = 0) -> np.ndarray:
 
 
 def images_per_s(model, crops: int, n: int, reps: int) -> float:
-    from photon_jax.engine import Engine, Request
-    from photon_jax.settings import Settings
+    from photon_jax.engine.core import Engine
+    from photon_jax.engine.request import Request
+    from photon_jax.engine.settings import Settings
 
     prompt = model.prompts.caption("short")
     s = Settings(temperature=0.0, max_tokens=1)
@@ -61,12 +62,13 @@ def images_per_s(model, crops: int, n: int, reps: int) -> float:
 def crops_per_s(model, crops: int, reps: int) -> float:
     import jax
 
-    from photon_jax.frontend import prepare_image
+    from photon_jax.engine import step
+    from photon_jax.engine.frontend import prepare_image
 
     prep = prepare_image(model, image(13))
     c = jax.device_put(np.random.default_rng(crops).integers(0, 255, (crops, 378, 378, 3),
                                                              np.uint8))
-    prog = model.programs.image_kv
+    prog = step.programs_of(model).image_kv
     jax.block_until_ready(prog(model.params, c, prep.src, prep.ph, prep.pw))
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -75,8 +77,9 @@ def crops_per_s(model, crops: int, reps: int) -> float:
 
 
 def mix(model, drain: bool, decode_rows: int, arrivals: int, steps: int) -> dict:
-    from photon_jax.engine import Engine, Request
-    from photon_jax.settings import Settings
+    from photon_jax.engine.core import Engine
+    from photon_jax.engine.request import Request
+    from photon_jax.engine.settings import Settings
 
     eng = Engine(model, max_batch_size=decode_rows + arrivals, prefill_drains=drain)
     try:

@@ -54,8 +54,8 @@ SIZES = [(378, 378), (640, 480), (800, 600), (1024, 768), (1500, 400), (512, 600
 
 def make_checkpoint(name: str, folder: str) -> str:
     """A float32 random-weights checkpoint of config `name`, as photon-convert writes one."""
-    from photon_jax import checkpoint
-    from photon_jax.text import stack_layers
+    from photon_jax.model import checkpoint
+    from photon_jax.model.text import stack_layers
 
     model = build_model(name)
     checkpoint.save_params(folder, stack_layers(model.params))

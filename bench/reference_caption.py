@@ -104,7 +104,7 @@ ROOT = os.path.dirname(HERE)
 FIXTURE_TOKENIZER = os.path.join(ROOT, "tests", "fixtures", "moondream2-tiny", "tokenizer.json")
 IMAGE_EXTS = frozenset(
     ".jpg .jpeg .jpe .jfif .png .apng .webp .bmp .dib .gif .tif .tiff .ppm .pgm .pbm .pnm "
-    ".tga .ico .avif".split())   # photon-caption's (photon_jax/cli/caption.py)
+    ".tga .ico .avif".split())   # photon-caption's (photon_jax/dataset/files.py)
 # The reference's config schema (moondream/torch/config.py): config.json's "config" dict
 # holds these keys only (photon-convert refuses keys outside the reference's schema too).
 REF_TEXT_KEYS = ("dim", "ff_dim", "n_layers", "vocab_size", "max_context", "n_heads",
@@ -185,9 +185,9 @@ def write_hf(folder: str, name: str, check: bool) -> None:
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     from convert.names import hf_shapes, hf_table
-    from photon_jax.config import from_hf_config_json
-    from photon_jax.params import flatten
-    from photon_jax.text import stack_layers
+    from photon_jax.model.config import from_hf_config_json
+    from photon_jax.model.params import flatten
+    from photon_jax.model.text import stack_layers
 
     model = build_model(name)   # bench/caption.py's weights (PRNGKey(0))
     cfg = model.cfg
@@ -231,9 +231,9 @@ def check_convert(folder: str, model) -> None:
     import jax
     import numpy as np
 
-    from photon_jax import checkpoint
-    from photon_jax.params import flatten
-    from photon_jax.text import stack_layers
+    from photon_jax.model import checkpoint
+    from photon_jax.model.params import flatten
+    from photon_jax.model.text import stack_layers
 
     try:
         from photon_jax.convert import convert

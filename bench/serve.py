@@ -51,7 +51,7 @@ def start_server(md):
     """uvicorn on a free 127.0.0.1 port in a thread, serving `md` -> (server, thread, url)."""
     import uvicorn
 
-    from photon_jax.cli.serve import ServeConfig, create_app
+    from photon_jax.serve.app import create_app, ServeConfig
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -54,7 +54,7 @@ ATTENTION = "pallas-tpu"
 
 def devices_of(topology: str):
     """(chip, devices): "v5e" = one chip (a device of "v5e:2x2"), "v5e:2x2" = all four."""
-    from photon_jax import compat
+    from photon_jax.base import compat
 
     chip, _, shape = topology.partition(":")
     topo = compat.topology_desc(platform="tpu", topology_name=f"{chip}:{shape or '2x2'}")
@@ -179,14 +179,15 @@ def serving_args(cfg, batch: int, chip: str | None, kv_cache_tokens=None,
     import jax
     import jax.numpy as jnp
 
-    from photon_jax import memory, stepmeta as M, step as step_mod
-    from photon_jax.params import abstract_params
-    from photon_jax.text import unstack_layers
+    from photon_jax.engine import memory, step as step_mod, stepmeta as M
+    from photon_jax.model import platforms
+    from photon_jax.model.params import abstract_params
+    from photon_jax.model.text import unstack_layers
 
     ctx = cfg.text.max_context
     free = None if chip is None else int(FREE_SHARE * CHIPS[chip]["hbm"])
     mesh = {"mesh_size": chips} if chips > 1 else {}   # (a plan per chip: the mesh sharding)
-    plat = step_mod.choose(cfg, "tpu", ATTENTION)
+    plat = platforms.choose(cfg, "tpu", ATTENTION)
     plan = memory.plan(cfg, platform=plat, max_batch_size=batch, max_context=ctx,
                        page_size=PAGE, kv_cache_tokens=kv_cache_tokens, free=free,
                        kv_dtype=kv_dtype, **mesh)
@@ -209,13 +210,14 @@ def program_calls(cfg, a: dict, batch: int, grouped: str | None = None, tp=None)
     import numpy as np
     from PIL import Image
 
-    from photon_jax import pixels as image_mod, stepmeta as M, step as step_mod
+    from photon_jax.engine import step as step_mod, stepmeta as M
+    from photon_jax.model import pixels as image_mod, platforms
 
     mesh = {"tp": tp} if tp is not None else {}
     P = step_mod.build_for(cfg, "tpu", ATTENTION, **mesh)
     if grouped is not None:   # another MoE prefill schedule (the comparison of moe.py's)
         P = step_mod.build(cfg, ATTENTION, grouped=grouped,
-                           vision_loop=step_mod.default_vision_loop("tpu"), **mesh)
+                           vision_loop=platforms.default_vision_loop("tpu"), **mesh)
     params, dev = a["params"], a["dev"]
     for rows, meta in a["meta"].items():
         yield "forward", {"rows": rows}, P.forward, (params, dev.pool, dev.slots[0],
@@ -262,8 +264,8 @@ def cost_rows(models, batch: int, contexts=(1024, 2048), kv_dtype: str | None = 
     import jax
     import numpy as np
 
-    from photon_jax import memory
-    from photon_jax.params import abstract_params
+    from photon_jax.engine import memory
+    from photon_jax.model.params import abstract_params
 
     for name in models:
         cfg = CONFIGS[name]().with_dtype("bfloat16")
@@ -293,10 +295,11 @@ def mesh_layout(cfg, devices):
     import jax
     import numpy as np
 
-    from photon_jax import kvpool, sharding, step as step_mod
+    from photon_jax.engine import kvpool, step as step_mod
+    from photon_jax.model import platforms, sharding
 
     tp = sharding.TensorParallel(jax.sharding.Mesh(np.array(devices), (sharding.AXIS,)),
-                                 pack=step_mod.choose(cfg, "tpu").pack)
+                                 pack=platforms.choose(cfg, "tpu").pack)
 
     def shardings(args):
         def one(x):
@@ -325,9 +328,9 @@ def moe_rows(topologies, tokens, schedules=("ragged", "megablox")):
     import jax.numpy as jnp
     import numpy as np
 
-    from photon_jax import moe, sharding
-    from photon_jax.params import abstract_params
-    from photon_jax.text import unstack_layers
+    from photon_jax.model import moe, sharding
+    from photon_jax.model.params import abstract_params
+    from photon_jax.model.text import unstack_layers
 
     cfg = CONFIGS["md3"]().with_dtype("bfloat16")
     m = cfg.text.moe
@@ -372,7 +375,7 @@ def megablox_grid(n: int, e: int, k: int, chips: int, expert_bytes: int) -> dict
     import jax.numpy as jnp
     import numpy as np
 
-    from photon_jax import moe
+    from photon_jax.model import moe
 
     gmm = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
@@ -402,7 +405,7 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", type=int, default=None,
                     help="only these row buckets of forward and prefill_slot")
     ap.add_argument("--grouped", default=None, choices=["blocks", "ragged", "megablox"],
-                    help="MoE prefill schedule instead of step.default_grouped('tpu')")
+                    help="MoE prefill schedule instead of platforms.default_grouped('tpu')")
     ap.add_argument("--kv-dtype", default=None, choices=["int8", "float8_e4m3fn"],
                     help="an 8-bit KV pool (default: bfloat16, the model's dtype)")
     ap.add_argument("--cost-model", action="store_true",
@@ -443,7 +446,7 @@ def main() -> None:
                 a = serving_args(cfg, batch, chip, chips=len(devices),
                                  kv_dtype=args.kv_dtype)
             except Exception as e:   # the plan refuses (the model does not fit the chip), or
-                # this tree has no mesh sharding (photon_jax.sharding)
+                # this tree has no mesh sharding (photon_jax.model.sharding)
                 print(json.dumps({"kind": "tpu_compile", "model": name, "topology": topology,
                                   "program": "setup", "compiled": False,
                                   "error": f"{type(e).__name__}: {str(e)[:400]}", **env}),

@@ -23,11 +23,11 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from photon_jax import checkpoint
-from photon_jax.config import ConfigError, MoondreamConfig, from_hf_config_json
-from photon_jax.dtypes import canonical
-from photon_jax.params import flatten, param_shapes
-from photon_jax.tokenizer import TokenizerError, load_tokenizer
+from photon_jax.base.dtypes import canonical
+from photon_jax.model import checkpoint
+from photon_jax.model.config import ConfigError, from_hf_config_json, MoondreamConfig
+from photon_jax.model.params import flatten, param_shapes
+from photon_jax.model.tokenizer import load_tokenizer, TokenizerError
 
 from .names import Target, canonical_name, fp8_expert_names, hf_table, looks_md3, stored_shape
 from .safetensors_io import DTYPES, SafetensorsError, index_checkpoint, read_tensor

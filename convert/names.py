@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from photon_jax.config import MoondreamConfig
-from photon_jax.params import flatten, param_shapes
+from photon_jax.model.config import MoondreamConfig
+from photon_jax.model.params import flatten, param_shapes
 
 
 @dataclass(frozen=True)

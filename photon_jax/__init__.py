@@ -1,4 +1,10 @@
-"""photon_jax: Moondream vision-language models in pure JAX."""
+"""photon_jax: Moondream vision-language models in pure JAX.
+
+The package is layered, each layer a folder importing only the layers below it
+(docs/architecture.md, "The layers"; tests/test_layout.py holds it): `base`, `kernels`,
+`model`, `engine`, then the faces at this level (`api`, `aio`, `functional`, `sources`),
+then the applications over them (`serve`, `dataset`) and the command lines (`cli`).
+`photon_jax.Moondream` is the entry point."""
 
 import os as _os
 
@@ -13,7 +19,6 @@ if (not _os.path.isdir(_os.path.join(__path__[0], "convert"))
         and _os.path.isfile(_os.path.join(_checkout, "convert", "__init__.py"))):
     __path__.append(_checkout)
 
-from .api import Moondream  # noqa: E402
-from .frontend import EncodedImage  # noqa: E402
+from .api import EncodedImage, Moondream  # noqa: E402
 
 __all__ = ["Moondream", "EncodedImage"]

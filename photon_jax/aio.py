@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from .request import Handle
+from .engine.request import Handle
 
 
 def _poker(loop: asyncio.AbstractEventLoop, fn, live=None):

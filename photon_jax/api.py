@@ -12,7 +12,7 @@ threads: they only submit requests and wait for their own results.
 Each method has an asyncio twin (`acaption`, `aquery`, `adetect`, `apoint`, `asegment`,
 `aencode_image`): the same requests, awaited on the event loop through `aio` (no thread per
 request); a stream is an async iterator.  Cancelling the awaiting task cancels the request.
-The HTTP server (`serve`) is built on them.
+The HTTP server (`photon_jax.serve`) is built on them.
 
 `return_metrics=True` (every method except streams) adds "metrics" to each result dict:
 {"finish_reason", "input_tokens", "output_tokens", "prefix_cache_hit",
@@ -30,14 +30,23 @@ from typing import TYPE_CHECKING, Any, Union
 import jax
 from tqdm.auto import tqdm
 
-from . import aio, compile_cache as compile_cache_mod, kvpool, memory, sharding, sources, step
-from .config import MoondreamConfig
-from .engine import Engine
-from .request import Handle, Request
-from .frontend import EncodedImage
-from .model import Model
-from .settings import parse
-from .tokenizer import spatial_refs_prompt
+from . import aio, sources
+from .engine import compile_cache as compile_cache_mod, kvpool, memory
+from .engine.core import Engine
+from .engine.frontend import EncodedImage
+from .engine.request import EngineError, Handle, Request, RequestError
+from .engine.settings import SettingsError, parse
+from .model import platforms, sharding
+from .model.config import MoondreamConfig
+from .model.loaded import Model
+from .model.pixels import ImageError
+from .model.sharding import make_mesh
+from .model.tokenizer import spatial_refs_prompt
+
+# What callers (and the command lines and the server above this module) use by name: the
+# errors a call can raise, the handles it returns, and the mesh helper of `load(mesh=)`.
+__all__ = ["Moondream", "BatchError", "EncodedImage", "Handle", "EngineError",
+           "RequestError", "SettingsError", "ImageError", "make_mesh"]
 
 if TYPE_CHECKING:
     import numpy as np
@@ -107,7 +116,7 @@ class Moondream:
             common prefill shapes and the vision encoder for common photo layouts, so the
             first requests do not wait for the compiler (with a warm compile cache this
             mostly reads the cache).
-        attention: the decode attention (`step.ATTENTION`): None picks the device's
+        attention: the decode attention (`model.platforms.ATTENTION`): None picks the device's
             ("pallas" on GPU, "cpu-kernel" on CPU when the C++ kernel builds), "xla" the
             XLA formulation on any device.
         kv_dtype: the KV pool's format: None (the model's dtype), "int8" or
@@ -117,7 +126,7 @@ class Moondream:
             unquantized cache (bench/README.md, "8-bit KV cache").
         mesh: a `jax.sharding.Mesh` with one axis named "model": one engine over its
             devices, the weights split by output columns (experts by expert), the KV pool by
-            kv heads; results equal one device's token for token (`photon_jax.sharding`).
+            kv heads; results equal one device's token for token (`photon_jax.model.sharding`).
         tensor_parallel: K, shorthand for a mesh over the first K local devices.
         Nothing is downloaded but a hub id's files missing from the Hugging Face cache (and
         the starmie tokenizer, when the snapshot lacks it), unless HF_HUB_OFFLINE is set.
@@ -141,8 +150,8 @@ class Moondream:
             kv = kvpool.canonical_kv_dtype(kv_dtype, cfg.dtype)
             if not isinstance(max_batch_size, int) or not isinstance(max_context or 0, int):
                 return
-            memory.check(memory.plan(cfg, platform=step.choose(cfg, dev.platform, attention, kv),
-                                     max_batch_size=max_batch_size,
+            rec = platforms.choose(cfg, dev.platform, attention, kv)
+            memory.check(memory.plan(cfg, platform=rec, max_batch_size=max_batch_size,
                                      max_context=max_context or cfg.text.max_context,
                                      page_size=64, kv_cache_tokens=kv_cache_tokens,
                                      free=memory.device_free(dev), kv_dtype=kv,

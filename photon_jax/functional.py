@@ -38,10 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import pixels as image, region, sampling, text, vision
-from .config import MoondreamConfig
-from .dtypes import jnp_dtype
-from .text import KVCache
+from .base.dtypes import jnp_dtype
+from .model import pixels as image, region, sampling, text, vision
+from .model.config import MoondreamConfig
+from .model.text import KVCache
 
 _I32 = jnp.int32
 

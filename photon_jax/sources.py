@@ -82,10 +82,10 @@ def one_line(e: BaseException) -> str:
 
 def errors() -> tuple[type[BaseException], ...]:
     """The exception classes that mean "this source is bad" (for the CLI's exit code 2)."""
-    from .checkpoint import CheckpointError
+    from .model.checkpoint import CheckpointError
     from .convert import ConvertError
     from .convert.safetensors_io import SafetensorsError
-    from .tokenizer import TokenizerError
+    from .model.tokenizer import TokenizerError
 
     return SourceError, ConvertError, CheckpointError, TokenizerError, SafetensorsError
 
@@ -147,11 +147,11 @@ def resolve(source, *, revision: str | None = None, dtype=None, log=None) -> str
             raise SourceError(f"revision {revision!r} applies to a Hugging Face hub id; {path} "
                               "is a local directory")
         if is_photon_checkpoint(path):
-            from .checkpoint import read_config
+            from .model.checkpoint import read_config
 
             read_config(path)   # a wrong format version is refused here, with its message
             return path
-        from .checkpoint import is_hf_snapshot, read_config
+        from .model.checkpoint import is_hf_snapshot, read_config
 
         if is_hf_snapshot(path) or os.path.isfile(os.path.join(path, "config.json")):
             return converted(path, dtype=dtype, log=log)
@@ -263,7 +263,7 @@ def _starmie_download() -> tuple[str | None, str]:
 def find_tokenizer(snapshot: str) -> tuple[str, str]:
     """(the tokenizer.json to convert with, a note on where it came from: "" when it is the
     snapshot's own).  Raises SourceError naming the file to fetch when none is found."""
-    from .tokenizer import STARMIE_HINT, TokenizerError, load_tokenizer
+    from .model.tokenizer import STARMIE_HINT, TokenizerError, load_tokenizer
 
     own = os.path.join(snapshot, "tokenizer.json")
     problem = f"{snapshot} has no tokenizer.json"
@@ -340,7 +340,7 @@ def storage_dtype(dtype, tensors) -> str:
     """-> the dtype a converted snapshot is stored in: the one asked for, else bfloat16 for
     bf16 weights and float32 for float16 / float32 ones."""
     if dtype is not None:
-        from .dtypes import canonical
+        from .base.dtypes import canonical
 
         try:
             return canonical(dtype)
@@ -354,7 +354,7 @@ def storage_dtype(dtype, tensors) -> str:
 def cache_key(snapshot: str, files: list[str], tokenizer: str, dtype: str) -> str:
     """-> the converted-cache entry name of a snapshot: a sha256 over its files' contents,
     the tokenizer's, the dtype and the converter and format versions."""
-    from .config import FORMAT_VERSION
+    from .model.config import FORMAT_VERSION
     from .convert.convert import CONVERTER_VERSION
 
     def sha(p):

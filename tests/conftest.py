@@ -20,7 +20,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# The whole suite runs under a GPU's device-to-host transfer rule (photon_jax.hostsync:
+# The whole suite runs under a GPU's device-to-host transfer rule (photon_jax.engine.hostsync:
 # host copies and implicit reads raise under a "disallow" guard, uploaded NumPy arrays become
 # read-only), in this process and in the CLI and benchmark subprocesses: a CPU's zero-copy
 # buffers would otherwise hide what fails on a GPU's first step.

@@ -27,7 +27,7 @@ GREEDY = {"temperature": 0, "max_tokens": 6}
 MD3_BIASES = {0: 0.8, 5: 17.0, 6: 16.0}
 
 
-# The CPU kernel's paths (`photon_jax/csrc/paged_attention.cc`), (head dim, page size):
+# The CPU kernel's paths (`photon_jax/kernels/csrc/paged_attention.cc`), (head dim, page size):
 # head dims that are a multiple of 8 are vectorized -- Moondream's 64 (values 64 lanes at a
 # time), 96 (then 32 more), 24 with a page of 12 positions (8 lanes, a softmax padded to 16)
 # -- and any other runs element by element (20).
@@ -89,7 +89,7 @@ def run_surfaces(models, pipelined: bool, kv_cache_tokens: int | None = None) ->
     """`surfaces` on fresh engines over already loaded models (md2, md3 or None); the
     engines are closed after, the models' weights are kept for the next run."""
     from photon_jax import Moondream
-    from photon_jax.engine import Engine
+    from photon_jax.engine.core import Engine
 
     mds = [None if m is None else
            Moondream(m, Engine(m, max_batch_size=4, pipelined=pipelined,
@@ -457,8 +457,8 @@ ENGINE_IMAGES = [os.path.join(FIXTURE_DIR, f) for f in ("img_land800x600.png",
 def workload(model, encoded, seed, n):
     """Random mixed requests over ENGINE_IMAGES (`encoded`: their reference encodings):
     (Request, the one-request path's output)."""
-    from photon_jax.engine import Request
-    from photon_jax.settings import Settings
+    from photon_jax.engine.request import Request
+    from photon_jax.engine.settings import Settings
 
     rng = np.random.default_rng(seed)
     pr = model.prompts
@@ -486,8 +486,8 @@ def workload(model, encoded, seed, n):
 
 def reference_output(model, encoded, req):
     """What the one-request reference path gives `req`, in the engine's result form."""
-    from photon_jax import reference
-    from photon_jax.frontend import ImagePrefix
+    from photon_jax.engine import reference
+    from photon_jax.engine.frontend import ImagePrefix
 
     enc = None if req.image is None else (
         req.image if isinstance(req.image, ImagePrefix)
@@ -539,7 +539,7 @@ def image_file(cases, iid, fixture_dir=FIXTURE_DIR):
 
 def encode_images(model, cases, fixture_dir=FIXTURE_DIR):
     """{image id: (EncodedImage, trace)} for the fixture's images."""
-    from photon_jax import reference as R
+    from photon_jax.engine import reference as R
 
     out = {}
     for iid in PARITY_IMAGES:
@@ -551,8 +551,8 @@ def encode_images(model, cases, fixture_dir=FIXTURE_DIR):
 def check_greedy_outcome(model, enc, ref, case, settings, trace):
     """Run one fixture case on the reference path; its ids / text / bins / objects and stop
     reason must equal the fixture's."""
-    from photon_jax import reference as R
-    from photon_jax.settings import parse
+    from photon_jax.engine import reference as R
+    from photon_jax.engine.settings import parse
 
     if case in ("detect", "point"):
         out = R.generate_points(model, enc, ref["prompt_ids"], with_size=case == "detect",
@@ -591,7 +591,7 @@ def full_forward(cfg, params, x_TD, prefix):
     """Everything in one call on a fresh cache (no cached state at all)."""
     import jax.numpy as jnp
 
-    from photon_jax import text
+    from photon_jax.model import text
 
     t = x_TD.shape[0]
     cache = text.init_cache(cfg, rows=1, length=t)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh  # noqa: E402
 import helpers  # noqa: E402
 from helpers import GREEDY, LAND, MD3_BIASES, SQ  # noqa: E402
 from photon_jax import Moondream  # noqa: E402
-from photon_jax.engine import Engine  # noqa: E402
+from photon_jax.engine.core import Engine  # noqa: E402
 from photon_jax.model import Model  # noqa: E402
 
 FIX = os.path.dirname(helpers.FIXTURE_DIR)
@@ -35,7 +35,7 @@ def with_heads(model: Model, n_heads: int, n_kv_heads: int, seed: int) -> Model:
     `helpers.biased_model` would give): a pool whose kv heads divide over the mesh."""
     from dataclasses import replace
 
-    from photon_jax.params import init_params
+    from photon_jax.model.params import init_params
 
     cfg = model.cfg   # head dim 64, as Moondream's (RoPE turns its first 32 dims)
     cfg = replace(cfg, text=replace(cfg.text, dim=64 * n_heads, n_heads=n_heads,
@@ -78,8 +78,8 @@ def moe_split() -> dict:
     under the interpreter), against one device: {schedule: bitwise equal}."""
     from functools import partial
 
-    from photon_jax import moe
-    from photon_jax.sharding import TensorParallel
+    from photon_jax.model import moe
+    from photon_jax.model.sharding import TensorParallel
 
     e, k, d, inner = 8, 2, 48, 24
     keys = jax.random.split(jax.random.PRNGKey(21), 4)
@@ -114,8 +114,8 @@ def collectives(model: Model, rows: int) -> list:
     try:
         meta = jax.device_put(np.zeros((4 + eng.max_pages, rows), np.int32), model.placement)
         pages = jax.device_put(np.zeros((2, 1), np.int32), model.placement)
-        hlo = model.programs.forward.lower(model.params, eng.dev.pool, eng.dev.slots[0],
-                                           eng.dev.pending, meta, pages).compile().as_text()
+        hlo = eng.programs.forward.lower(model.params, eng.dev.pool, eng.dev.slots[0],
+                                         eng.dev.pending, meta, pages).compile().as_text()
     finally:
         eng.close()
     pat = re.compile(r"= \w+\[([\d,]*)\][^ ]* (all-gather|all-reduce|all-to-all|"

@@ -11,9 +11,9 @@ from PIL import Image
 
 from photon_jax import Moondream
 from photon_jax.api import BatchError
-from photon_jax.checkpoint import CheckpointError
-from photon_jax.pixels import ImageError, load_image
-from photon_jax.settings import SettingsError
+from photon_jax.engine.settings import SettingsError
+from photon_jax.model.checkpoint import CheckpointError
+from photon_jax.model.pixels import ImageError, load_image
 
 from helpers import FIXTURE_DIR
 
@@ -321,7 +321,7 @@ def _png_bytes(im):
 def test_interrupted_call_cancels_its_requests(md, ref, monkeypatch):
     # Ctrl-C while a call waits (simulated: result() raises KeyboardInterrupt) must cancel
     # the call's requests, not leave them decoding in the background.
-    from photon_jax import engine as engine_mod
+    from photon_jax.engine import core as engine_mod
 
     real_result, real_submit_many = engine_mod.Handle.result, md.engine.submit_many
     seen = []

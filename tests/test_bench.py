@@ -235,8 +235,8 @@ def test_decode_cost_counts_what_the_kernels_read():
     kernels' own byte counts it would be charged a fraction of its weights."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import common
-    from photon_jax import cpukernel
-    from photon_jax.config import tiny
+    from photon_jax.kernels import cpukernel
+    from photon_jax.model.config import tiny
 
     cfg = tiny()
     for attention in ("xla", "cpu-kernel"):

@@ -320,8 +320,8 @@ def _rerun_finishes(argv, jl, paths, expect):
 # hung every run, "finish" 5 runs of 6.
 _INJECT = """
 import os, signal, sys
-from photon_jax import engine
 from photon_jax.cli import caption
+from photon_jax.engine import core as engine
 at, when = int(os.environ["AT"]), os.environ["WHEN"]
 add, n = engine.Handle.add_done_callback, [0]
 def kill(*_):
@@ -490,7 +490,7 @@ def test_captioner_accepts_paths_structs_arrays_and_nulls(tiny_ckpt, tmp_path, e
 def test_engine_failure_stops_the_run_and_a_rerun_finishes(tiny_ckpt, tmp_path, monkeypatch,
                                                            capfd, expect):
     from photon_jax.api import Moondream as MD
-    from photon_jax.engine import EngineError
+    from photon_jax.engine.request import EngineError
 
     d = tmp_path / "data"
     paths = make_tree(d, n=4, seed=110)

@@ -15,11 +15,11 @@ import shutil
 import numpy as np
 import pytest
 
-import photon_jax.checkpoint as checkpoint
-from photon_jax.config import FORMAT_VERSION, tiny
-from photon_jax.convert import ConvertError, convert
+import photon_jax.model.checkpoint as checkpoint
 from photon_jax.cli.convert import main
-from photon_jax.params import flatten
+from photon_jax.convert import convert, ConvertError
+from photon_jax.model.config import FORMAT_VERSION, tiny
+from photon_jax.model.params import flatten
 
 from helpers import BAD_SNAPSHOTS, BF16, make_hf, read_safetensors, write_safetensors
 
@@ -519,8 +519,8 @@ HAND_SHAPES = {
 
 
 def test_partial_config_overrides_defaults_gqa(fixture_dir, tmp_path, src):
-    from photon_jax.config import MoondreamConfig
     from photon_jax.convert import names
+    from photon_jax.model.config import MoondreamConfig
 
     cfg = MoondreamConfig.from_dict(PARTIAL)
     hf_shapes = names.hf_shapes(cfg)

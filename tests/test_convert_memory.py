@@ -24,8 +24,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from photon_jax.config import MoondreamConfig
 from photon_jax.convert import names
+from photon_jax.model.config import MoondreamConfig
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 GiB = 1 << 30
@@ -134,7 +134,7 @@ def measured(tmp_path_factory, fixture_dir):
     print("\n" + report)
     with open(out / "provenance.json") as f:
         prov = json.load(f)
-    from photon_jax import checkpoint
+    from photon_jax.model import checkpoint
 
     got_cfg = checkpoint.read_config(str(out))
     yield dict(peak=peak, base=base, out_bytes=out_bytes, largest=largest, prov=prov,

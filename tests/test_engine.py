@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import hostsync, kvpool, stepmeta as meta_mod, reference, step as step_mod
-from photon_jax.engine import Engine, EngineError, Request, RequestError
-from photon_jax.model import Model
-from photon_jax.settings import Settings
+from photon_jax.engine import hostsync, kvpool, reference, step as step_mod, stepmeta as meta_mod
+from photon_jax.engine.core import Engine
+from photon_jax.engine.request import EngineError, Request, RequestError
+from photon_jax.engine.settings import Settings
+from photon_jax.model import Model, platforms
 
 from helpers import ENGINE_IMAGES as IMAGES, biased_model, run_in_waves, strip, workload
 
@@ -215,9 +216,9 @@ def test_row_is_independent_of_its_neighbours(model, attention):
     logits (bitwise), nor does where its own pages lie: the XLA sweep (three arenas) and
     the CPU kernel (one)."""
     model = Model(model.cfg, model.params, model.prompts.tok, attention=attention)
-    cfg, P = model.cfg, model.programs
+    cfg, P = model.cfg, step_mod.programs_of(model)
     t, page, m = cfg.text, 64, 16
-    sweep = step_mod.sweeps(attention)
+    sweep = platforms.sweeps(attention)
     arenas = meta_mod.Arenas((20, 20, 40) if sweep else (80,))
     rng0 = np.random.default_rng(5)
     # Row 0's 13 pages of K/V (positions 0 .. 831); other rows get random ones.
@@ -328,9 +329,9 @@ def test_cancel_and_close_drain(model, encoded):
 
 def test_constraint_table_and_allowed_sets(model):
     """One int per row selects the constraint; a per-row allowed set restricts further."""
-    from photon_jax import constraints
+    from photon_jax.engine import constraints
 
-    cfg, P = model.cfg, model.programs
+    cfg, P = model.cfg, step_mod.programs_of(model)
     tok = cfg.tokenizer
     v, rows = cfg.text.vocab_size, 7
     logits = np.zeros((rows, v), np.float32)

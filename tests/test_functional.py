@@ -11,10 +11,9 @@ import pytest
 from PIL import Image
 
 from photon_jax import functional as F
-from photon_jax import reference as R
-from photon_jax import text
-from photon_jax.model import Model
-from photon_jax.settings import parse
+from photon_jax.engine import reference as R
+from photon_jax.engine.settings import parse
+from photon_jax.model import Model, text
 
 from helpers import FIXTURE_DIR
 

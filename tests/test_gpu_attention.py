@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import gpu_attention as ga, kvpool, step as step_mod
-from photon_jax.config import moondream2
-from photon_jax.pages import pages_for
+from photon_jax.engine import kvpool, step as step_mod
+from photon_jax.engine.pages import pages_for
+from photon_jax.kernels import gpu_attention as ga
+from photon_jax.model.config import moondream2
 
 from helpers import biased_model, pallas_attention
 
@@ -174,7 +175,7 @@ def test_the_split_plan_over_a_mesh_counts_each_chips_kv_heads():
     """Over a mesh that splits the pool by kv heads, a chip's kernel runs (row, head, split)
     programs for its own heads: the plan is given K / n heads (more splits), the same as
     one chip holding K / n heads; heads that do not divide stay whole."""
-    from photon_jax import sharding
+    from photon_jax.model import sharding
 
     cfg = moondream2()
     tp = sharding.TensorParallel(jax.sharding.AbstractMesh((4,), (sharding.AXIS,)))
@@ -192,8 +193,8 @@ def test_other_attentions_take_one_split(tiny_ckpt):
     """The CPU's attentions have one decode program: their plan is always 1 split."""
     base = biased_model(tiny_ckpt, {})
     assert not base.attention.startswith("pallas")
-    assert base.programs.decode_splits([2048], 64) == 1
-    assert base.programs.split_variants(1) == (1,)
+    assert step_mod.programs_of(base).decode_splits([2048], 64) == 1
+    assert step_mod.programs_of(base).split_variants(1) == (1,)
 
 
 def test_the_traffic_count_meets_the_write_target_at_batch_32():
@@ -248,9 +249,10 @@ def test_the_engine_warms_every_split_it_plans_and_never_retraces(tiny_ckpt):
     """The engine on the GPU kernel (interpreted) compiles at start every (row bucket, split)
     variant its plan can give; a request long enough to split (an image prompt, ~760
     positions: 2 splits) then runs without compiling a decode program."""
-    from photon_jax.engine import Engine, Request
+    from photon_jax.engine.core import Engine
+    from photon_jax.engine.request import Request
+    from photon_jax.engine.settings import Settings
     from photon_jax.model import Model
-    from photon_jax.settings import Settings
     from helpers import ENGINE_IMAGES as IMAGES
 
     base = biased_model(tiny_ckpt, {})

@@ -2,7 +2,7 @@
 
 A GPU gets other programs than the CPU: decode attention by our Pallas kernel
 (`gpu_attention`), the MoE prefill as one `dense` product, the vision attention without the per-crop
-loop (`step.default_*`).  Two checks here, for Moondream 2 and Moondream 3:
+loop (`platforms.default_*`).  Two checks here, for Moondream 2 and Moondream 3:
 
 * The engine runs a mixed workload on the GPU's programs (the Pallas kernel under the Pallas
   interpreter), and its outputs equal the CPU's one-request path's, the path the parity
@@ -30,11 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import kvpool, reference, step as step_mod
-from photon_jax.config import moondream2, moondream3
-from photon_jax.engine import Engine, Request
+from photon_jax.engine import kvpool, reference, step as step_mod
+from photon_jax.engine.core import Engine
+from photon_jax.engine.request import Request
+from photon_jax.engine.settings import Settings
 from photon_jax.model import Model
-from photon_jax.settings import Settings
+from photon_jax.model.config import moondream2, moondream3
 
 from helpers import FIXTURE_DIR, biased_model, pallas_attention
 
@@ -96,10 +97,11 @@ def lower_recorded(calls, *bundles) -> dict:
     return out
 
 
-def run_workload(model, requests):
-    """The pipelined engine's outputs, its pool all free after close().  800 positions in
-    pages of 32: page tables 25 pages wide, not a power of 2 (Triton's lowering cares)."""
-    eng = Engine(model, max_batch_size=4, max_context=800, page_size=32)
+def run_workload(model, requests, programs):
+    """The pipelined engine's outputs on `programs`, its pool all free after close().  800
+    positions in pages of 32: page tables 25 pages wide, not a power of 2 (Triton's lowering
+    cares)."""
+    eng = Engine(model, max_batch_size=4, max_context=800, page_size=32, programs=programs)
     try:
         got = [h.result(timeout=600) for h in [eng.submit(r) for r in requests]]
     finally:
@@ -118,27 +120,26 @@ def requests_for(model):
             Request("point", pr.point("w70"), IMAGES[1], Settings(max_objects=2))]
 
 
-def gpu_like_model(base: Model) -> Model:
-    """`base`'s weights with the programs a GPU builds: the Pallas kernel (under the
-    interpreter, except on a GPU), the dense MoE prefill, the vision attention without the
-    loop."""
-    m = Model(base.cfg, base.params, base.prompts.tok, attention=pallas_attention())
-    m.programs = step_mod.build_for(base.cfg, "gpu", pallas_attention())
-    return m
-
-
-def check_engine_on_gpu_programs(base: Model, n_requests: int):
+def check_engine_on_gpu_programs(base: Model, n_requests: int, monkeypatch):
     """The engine on the GPU's programs equals the one-request path on the CPU's (the path
     the parity tests hold to the reference), token for token; then every program the two
     dispatched (the one-request path's take the same arguments on both) is built as a GPU
     gets it and lowers for CUDA."""
-    model = gpu_like_model(base)
-    rec = Recorder(model.programs)
-    model.programs = rec.programs
-    base.programs = Recorder(base.programs, rec.calls).programs
-    base.oracle_programs = Recorder(base.oracle_programs, rec.calls).programs
+    # `base`'s weights on the programs a GPU builds: the Pallas kernel (under the
+    # interpreter, except on a GPU), the dense MoE prefill, the vision attention without
+    # the loop.
+    model = Model(base.cfg, base.params, base.prompts.tok, attention=pallas_attention())
+    rec = Recorder(step_mod.build_for(base.cfg, "gpu", pallas_attention()))
+    # The one-request path on `base` dispatches through recorders of its programs too.
+    recorded = {id(base): (Recorder(step_mod.programs_of(base), rec.calls).programs,
+                           Recorder(step_mod.oracle_of(base), rec.calls).programs)}
+    programs_of, oracle_of = step_mod.programs_of, step_mod.oracle_of
+    monkeypatch.setattr(step_mod, "programs_of",
+                        lambda m: recorded[id(m)][0] if id(m) in recorded else programs_of(m))
+    monkeypatch.setattr(step_mod, "oracle_of",
+                        lambda m: recorded[id(m)][1] if id(m) in recorded else oracle_of(m))
     reqs = requests_for(model)[:n_requests]
-    got = run_workload(model, reqs)
+    got = run_workload(model, reqs, rec.programs)
     for req, out in zip(reqs, got):
         enc = None if req.image is None else reference.encode_image(base, req.image)
         if req.skill == "text":
@@ -164,14 +165,16 @@ def check_engine_on_gpu_programs(base: Model, n_requests: int):
     return lowered
 
 
-def test_the_engine_on_the_gpu_programs_equals_the_reference_and_lowers_for_cuda(tiny_ckpt):
-    check_engine_on_gpu_programs(biased_model(tiny_ckpt, {0: 0.8}), 5)
+def test_the_engine_on_the_gpu_programs_equals_the_reference_and_lowers_for_cuda(tiny_ckpt,
+                                                                                monkeypatch):
+    check_engine_on_gpu_programs(biased_model(tiny_ckpt, {0: 0.8}), 5, monkeypatch)
 
 
-def test_moondream3_on_the_gpu_programs_equals_the_reference_and_lowers_for_cuda(md3_ckpt):
+def test_moondream3_on_the_gpu_programs_equals_the_reference_and_lowers_for_cuda(md3_ckpt,
+                                                                                 monkeypatch):
     # (Fewer requests: the same programs at Moondream 3's shapes: tau attention, MoE
     # prefill as one dense product.)
-    check_engine_on_gpu_programs(biased_model(md3_ckpt, {0: 0.8}), 2)
+    check_engine_on_gpu_programs(biased_model(md3_ckpt, {0: 0.8}), 2, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

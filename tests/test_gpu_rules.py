@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import hostsync
+from photon_jax.engine import hostsync
 
 from helpers import MD3_BIASES, biased_model, run_surfaces
 DISALLOWED = "Disallowed device-to-host transfer"
@@ -31,7 +31,7 @@ def test_the_suite_runs_under_the_emulation():
     assert os.environ.get("PHOTON_JAX_GPU_RULES") == "1"
     assert hostsync.emulating_gpu_transfers()
     # ...and so do the CLI and benchmark subprocesses, which inherit the variable.
-    code = "from photon_jax import hostsync; print(hostsync.emulating_gpu_transfers())"
+    code = "from photon_jax.engine import hostsync; print(hostsync.emulating_gpu_transfers())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "True"

@@ -9,13 +9,13 @@ import jax
 import numpy as np
 import pytest
 
-from photon_jax import stepmeta as M
-from photon_jax.config import tiny, tiny_md3
-from photon_jax.engine import Engine
-from photon_jax.frontend import prepare_image
+from photon_jax.engine import step, stepmeta as M
+from photon_jax.engine.core import Engine
+from photon_jax.engine.frontend import prepare_image
 from photon_jax.model import Model
-from photon_jax.params import init_params
-from photon_jax.tokenizer import load_tokenizer
+from photon_jax.model.config import tiny, tiny_md3
+from photon_jax.model.params import init_params
+from photon_jax.model.tokenizer import load_tokenizer
 
 from helpers import FIXTURE_DIR
 
@@ -53,7 +53,7 @@ def test_decode_path_programs_are_sync_free(make_cfg):
     cfg = make_cfg()
     model = Model(cfg, init_params(jax.random.PRNGKey(0), cfg),
                   load_tokenizer(os.path.join(FIXTURE_DIR, "tokenizer.json")))
-    P = model.programs
+    P = step.programs_of(model)
     eng = Engine(model, max_batch_size=2, max_context=1024, kv_cache_tokens=2048,
                  page_size=64)
     try:

@@ -5,8 +5,8 @@ image sizes and modes, through photon-convert + Moondream.load + the API, end to
 import pytest
 
 from photon_jax import Moondream
-from photon_jax.config import MoondreamConfig
 from photon_jax.cli.convert import main
+from photon_jax.model.config import MoondreamConfig
 
 from helpers import make_hf, odd_images, random_hf_tensors
 

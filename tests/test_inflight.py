@@ -3,7 +3,7 @@ two-phase completion, drain.  The skills it carries are tested in test_skills.py
 
 import pytest
 
-from photon_jax.inflight import PipelineError, PipelineState
+from photon_jax.engine.inflight import PipelineError, PipelineState
 
 
 class Step:

@@ -9,10 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import config as C
-from photon_jax import step, text
-from photon_jax.params import init_params
-from photon_jax import sampling
+from photon_jax.engine import step
+from photon_jax.model import config as C, sampling, text
+from photon_jax.model.params import init_params
 
 from helpers import full_forward
 
@@ -154,7 +153,7 @@ def test_full_size_programs_have_the_right_shapes():
     params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), cfg))
     P = step.build_oracle(cfg)
     n_crops, tiling = 9, (2, 4)
-    from photon_jax.pixels import pool_operands
+    from photon_jax.model.pixels import pool_operands
 
     src, ph, pw = pool_operands(tiling, cfg.vision)
     feats, emb = jax.eval_shape(P.encode_image, params,
@@ -176,8 +175,8 @@ def test_cpu_vision_attention_loop_equals_the_batched_attention(dtype, tol):
     """The vision encoder's CPU attention (one (crop, head) at a time, the softmax's division
     after the product with V) computes `layers.attention`'s values: float32 to a few ulps,
     bfloat16 to its own rounding; and the whole encoder agrees either way."""
-    from photon_jax import vision
-    from photon_jax.layers import attention
+    from photon_jax.model import vision
+    from photon_jax.model.layers import attention
 
     r = np.random.default_rng(0)
     q, k, v = (jnp.asarray(r.normal(size=(3, 729, 2, 8)) * 2, dtype) for _ in range(3))

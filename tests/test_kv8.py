@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import cpukernel, kvpool, memory, stepmeta as M, step as step_mod
-from photon_jax.config import moondream2
-from photon_jax.pages import pages_for
+from photon_jax.engine import kvpool, memory, step as step_mod, stepmeta as M
+from photon_jax.engine.pages import pages_for
+from photon_jax.kernels import cpukernel
+from photon_jax.model.config import moondream2
 
 from helpers import CPU_KERNEL_SHAPE_IDS, CPU_KERNEL_SHAPES, FIXTURE_DIR, pallas_attention
 
@@ -207,7 +208,7 @@ def test_writes_quantize_and_prefill_attends_the_dequantized_pages(fmt):
     attends float64-equal over the dequantized pages; decode's row writes (write_rows) and
     the image-prefix writes (write_prefix_pages) store the same codes as the quantizer; a
     page copy (copy_pages, a prefix-cache hit) carries its scales."""
-    from photon_jax.config import tiny
+    from photon_jax.model.config import tiny
 
     cfg = tiny()
     t = cfg.text
@@ -308,8 +309,8 @@ def model8(tiny_ckpt):
 
 
 def _requests(model):
-    from photon_jax.engine import Request
-    from photon_jax.settings import Settings
+    from photon_jax.engine.request import Request
+    from photon_jax.engine.settings import Settings
 
     pr = model.prompts
     land, sq = (os.path.join(FIXTURE_DIR, f) for f in ("img_land800x600.png", "img_sq378.png"))
@@ -322,7 +323,7 @@ def _requests(model):
 
 
 def _run(model, reqs, **kw):
-    from photon_jax.engine import Engine
+    from photon_jax.engine.core import Engine
 
     eng = Engine(model, max_batch_size=3, **kw)
     try:
@@ -354,7 +355,7 @@ def test_engine_pipelined_equals_blocking_and_cache_hits_equal_misses(model8, fm
 def test_a_bad_kv_dtype_is_refused_by_the_engine_load_and_the_cli(model8, tiny_ckpt, capsys):
     from photon_jax.api import Moondream
     from photon_jax.cli.caption import build_parser
-    from photon_jax.engine import Engine
+    from photon_jax.engine.core import Engine
 
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         Engine(model8, max_batch_size=2, kv_dtype="int4")
@@ -384,7 +385,7 @@ def test_fidelity_of_8bit_decoding_is_bounded_and_a_broken_scale_fails(model8):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
     import kv8
 
-    from photon_jax import reference
+    from photon_jax.engine import reference
 
     enc = reference.encode_image(model8, kv8.IMAGE)
     prompt = model8.prompts.caption("short")

@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from photon_jax.config import moondream2
 from photon_jax.convert import ConvertError, names
 from photon_jax.convert.convert import plan
 from photon_jax.convert.safetensors_io import TensorRef
-from photon_jax.params import flatten, count_params, init_params
+from photon_jax.model.config import moondream2
+from photon_jax.model.params import count_params, flatten, init_params
 
 MANIFEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures",
                         "moondream2-manifest.json")
@@ -159,7 +159,7 @@ def test_plan_rejects_manifest_mistakes(manifest, cfg):
     with pytest.raises(ConvertError, match="model.text.wte: F8_E4M3"):
         plan(cfg, fp8)
     # the full-size tensor list does not fit the tiny config
-    from photon_jax.config import tiny
+    from photon_jax.model.config import tiny
 
     with pytest.raises(ConvertError, match="wrong shape"):
         plan(tiny(), refs)

@@ -6,11 +6,13 @@ config.json) through photon-convert + Moondream.load + every API method."""
 import numpy as np
 import pytest
 
-from photon_jax import Moondream, reference
-from photon_jax.config import from_hf_config_json
+from photon_jax import Moondream
 from photon_jax.cli.convert import main
-from photon_jax.engine import Engine, Request
-from photon_jax.settings import Settings
+from photon_jax.engine import reference
+from photon_jax.engine.core import Engine
+from photon_jax.engine.request import Request
+from photon_jax.engine.settings import Settings
+from photon_jax.model.config import from_hf_config_json
 
 from helpers import (ENGINE_IMAGES as IMAGES, MD3_FIXTURE_DIR, biased_model, make_hf, odd_images,
                      random_hf_tensors, reference_output, run_in_waves, strip, workload)
@@ -143,7 +145,7 @@ def test_md3_weights_under_a_plain_config_json_are_read_as_md3(tmp_path):
     assert from_hf_config_json({"config": plain}).family == "moondream2"
     hf = make_hf(MD3_FIXTURE_DIR, tmp_path, random_hf_tensors(cfg, seed=1), config={"config": plain})
     assert main([str(hf), str(tmp_path / "out")]) == 0
-    from photon_jax.checkpoint import read_config
+    from photon_jax.model.checkpoint import read_config
 
     assert read_config(str(tmp_path / "out")) == cfg
 

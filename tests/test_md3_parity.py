@@ -14,11 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import reference as R
-from photon_jax import text
-from photon_jax.layers import layer_norm, linear
-from photon_jax.model import Model
-from photon_jax.settings import parse
+from photon_jax.engine import reference as R
+from photon_jax.engine.settings import parse
+from photon_jax.model import Model, text
+from photon_jax.model.layers import layer_norm, linear
 
 from helpers import (MD3_FIXTURE_DIR, PARITY_CASES as CASES, PARITY_IMAGES as IMAGES,
                      PARITY_TOL as TOL, check_greedy_outcome, check_prompt_ids, encode_images,

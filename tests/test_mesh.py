@@ -1,5 +1,5 @@
 """One engine over a mesh of CPU devices gives one device's results, token for token
-(`photon_jax.sharding`).  JAX fixes its CPU device count when it starts, so each case runs
+(`photon_jax.model.sharding`).  JAX fixes its CPU device count when it starts, so each case runs
 `tests/mesh_check.py` in its own process with --xla_force_host_platform_device_count."""
 
 import json

@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import config as C
-from photon_jax import moe, step, text
 from photon_jax.convert import names
-from photon_jax.params import count_params, init_params, param_shapes
-from photon_jax.skills import parse_segment
+from photon_jax.engine import step
+from photon_jax.engine.skills import parse_segment
+from photon_jax.model import config as C, moe, platforms, text
+from photon_jax.model.params import count_params, init_params, param_shapes
 
 from helpers import full_forward
 
@@ -95,15 +95,15 @@ def test_the_gpu_prefill_workspace_counts_every_experts_rows():
     experts for every position (0.39 MB a position at Moondream 3's shapes, measured in
     deviceless H200 compiles); the memory plan's workspace must count them, or a prefill's
     temporaries land in the pool's margin."""
-    from photon_jax import memory
+    from photon_jax.engine import memory
 
     cfg = C.moondream3()
     m = cfg.text.moe
     rows = m.num_experts * 3 * m.expert_inner_dim * 2                    # bfloat16
     scores = cfg.text.n_heads * (cfg.prefix_len + memory.PREFILL_TOKENS) * 4
-    gpu = memory.prefill_token_bytes(cfg, grouped=step.default_grouped("gpu"))
+    gpu = memory.prefill_token_bytes(cfg, grouped=platforms.default_grouped("gpu"))
     assert gpu == rows + scores
-    assert memory.prefill_token_bytes(cfg, grouped=step.default_grouped("tpu")) < gpu
+    assert memory.prefill_token_bytes(cfg, grouped=platforms.default_grouped("tpu")) < gpu
 
 
 def test_megablox_tiles_follow_the_rows_per_expert():
@@ -162,7 +162,7 @@ def md3(md3_ckpt):
     from photon_jax.model import Model
 
     m = Model.load(md3_ckpt)
-    return m.cfg, m.params, m.oracle_programs
+    return m.cfg, m.params, step.oracle_of(m)
 
 
 @pytest.mark.parametrize("grouped", ["blocks", "ragged+megablox-interpret"])

@@ -10,10 +10,9 @@ import hashlib
 import numpy as np
 import pytest
 
-from photon_jax import pixels as image_mod
-from photon_jax import reference as R
-from photon_jax.model import Model
-from photon_jax.settings import parse
+from photon_jax.engine import reference as R
+from photon_jax.engine.settings import parse
+from photon_jax.model import Model, pixels as image_mod
 
 from helpers import (PARITY_CASES as CASES, PARITY_IMAGES as IMAGES,
                      PARITY_TOL as TOL, check_greedy_outcome, check_prompt_ids, encode_images,

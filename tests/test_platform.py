@@ -1,4 +1,4 @@
-"""The platform choice is made once (`step.choose` -> `step.Platform`) and read everywhere
+"""The platform choice is made once (`platforms.choose` -> `platforms.Platform`) and read everywhere
 else: the engine, the memory plan and the preflight agree because they read one record."""
 
 import os
@@ -6,30 +6,31 @@ import re
 
 import pytest
 
-from photon_jax import memory, step
-from photon_jax.config import moondream2, tiny
+from photon_jax.engine import memory, step
+from photon_jax.model import platforms
+from photon_jax.model.config import moondream2, tiny
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "photon_jax")
 
 
 def test_the_record_of_each_platform():
     cfg = moondream2("bfloat16")
-    gpu = step.choose(cfg, "gpu")
+    gpu = platforms.choose(cfg, "gpu")
     assert gpu.attention.startswith("pallas") and not gpu.sweeps and gpu.shares_prefix
     assert gpu.plans_splits and gpu.grouped == "dense" and not gpu.host_memory
     assert not gpu.dense and not gpu.vision_loop and gpu.dtype == "bfloat16"
-    tpu = step.choose(cfg, "tpu")   # our TPU kernel: two heads of dim 64 per pool row
+    tpu = platforms.choose(cfg, "tpu")   # our TPU kernel: two heads of dim 64 per pool row
     assert tpu.attention == "pallas-tpu" and tpu.pack == 2 and not tpu.plans_splits
     assert not tpu.sweeps and tpu.shares_prefix and tpu.grouped == "ragged+megablox"
-    assert gpu.pack == 1 and step.choose(tiny(), "cpu", "pallas-tpu-interpret").pack == 2
+    assert gpu.pack == 1 and platforms.choose(tiny(), "cpu", "pallas-tpu-interpret").pack == 2
     P = step.build_for(cfg, tpu)   # no GPU split plans: one forward per bucket
     assert P.decode_splits([2000], 64) == 1 and P.split_variants(1) == (1,)
-    xla = step.choose(tiny(), "cpu", "xla")
+    xla = platforms.choose(tiny(), "cpu", "xla")
     assert xla.sweeps and not xla.shares_prefix and not xla.plans_splits
     assert xla.host_memory and xla.vision_loop and xla.grouped == "blocks+blocks"
-    assert step.choose(tiny(), "cpu", "xla", "int8").kv_dtype == "int8"
+    assert platforms.choose(tiny(), "cpu", "xla", "int8").kv_dtype == "int8"
     with pytest.raises(ValueError, match="attention must be one of"):
-        step.choose(tiny(), "cpu", "flash")
+        platforms.choose(tiny(), "cpu", "flash")
 
 
 def test_the_memory_plan_reads_the_same_record_as_the_engine():
@@ -37,21 +38,21 @@ def test_the_memory_plan_reads_the_same_record_as_the_engine():
     kernel, arenas for the sweep), as the engine built on that record does."""
     kw = dict(max_batch_size=4, max_context=1024, page_size=64, kv_cache_tokens=8192)
     cfg = tiny()
-    for attention in ("xla", step.default_attention("cpu")):
-        rec = step.choose(cfg, "cpu", attention)
+    for attention in ("xla", platforms.default_attention("cpu")):
+        rec = platforms.choose(cfg, "cpu", attention)
         plan = memory.plan(cfg, platform=rec, **kw)
         assert (len(plan.arenas.sizes) > 1) == rec.sweeps
     assert memory.plan(cfg, platform="cpu", **kw).arenas == \
-        memory.plan(cfg, platform=step.choose(cfg, "cpu"), **kw).arenas
+        memory.plan(cfg, platform=platforms.choose(cfg, "cpu"), **kw).arenas
 
 
-def test_no_module_but_step_compares_platform_or_attention_names():
+def test_no_module_but_platforms_compares_platform_or_attention_names():
     pat = re.compile(r"""(==|!=)\s*["'](cpu|gpu|tpu|xla|cpu-kernel|pallas[\w-]*)["']|"""
                      r"""startswith\(["'](pallas|cpu|xla)""")
     found = []
     for root, _, files in os.walk(PKG):
         for f in files:
-            if f.endswith(".py") and f != "step.py":
+            if f.endswith(".py") and f != "platforms.py":
                 path = os.path.join(root, f)
                 for i, line in enumerate(open(path), 1):
                     if pat.search(line):

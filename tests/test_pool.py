@@ -13,15 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import cpukernel, kvpool, memory, stepmeta as M, reference, step as step_mod, text
-from photon_jax.config import moondream2, moondream3, tiny, tiny_md3
-from photon_jax.engine import Engine, Request, RequestError
-from photon_jax.frontend import EncodedImage
-from photon_jax.model import Model
-from photon_jax.pages import PageAllocator, PoolError, PrefixCache, pages_for
-from photon_jax.params import abstract_params, init_params
-from photon_jax.settings import Settings
-from photon_jax.tokenizer import load_tokenizer
+from photon_jax.engine import kvpool, memory, reference, step as step_mod, stepmeta as M
+from photon_jax.engine.core import Engine
+from photon_jax.engine.frontend import EncodedImage
+from photon_jax.engine.pages import PageAllocator, pages_for, PoolError, PrefixCache
+from photon_jax.engine.request import Request, RequestError
+from photon_jax.engine.settings import Settings
+from photon_jax.kernels import cpukernel
+from photon_jax.model import Model, platforms, text
+from photon_jax.model.config import moondream2, moondream3, tiny, tiny_md3
+from photon_jax.model.params import abstract_params, init_params
+from photon_jax.model.tokenizer import load_tokenizer
 
 import helpers
 from helpers import FIXTURE_DIR, biased_model, pallas_attention
@@ -164,7 +166,7 @@ def test_cpu_kernel_equals_dense_attention(kh, g, dtype, h, page):
     arena, two rows reading the same pages (shared prefix pages), bfloat16 pools widened
     exactly: each row equals float64 attention over its own positions gathered densely, a
     row of length 0 is zeros, and nothing else in the pool matters."""
-    from photon_jax import cpukernel
+    from photon_jax.kernels import cpukernel
 
     assert cpukernel.load(), cpukernel.reason()
     rng = np.random.default_rng(kh * 10 + g)
@@ -219,7 +221,7 @@ def test_cpu_dense_kernel_equals_float64():
     XLA's product (`layers.linear`).  A [K, N] weight and the same weight as [N, K]
     (`transposed`, the LM head) give the same bits (the same sums in the same order).  On a
     CPU without AVX2 + FMA the call fails, naming the reason (the step never makes it)."""
-    from photon_jax.layers import linear
+    from photon_jax.model.layers import linear
 
     assert cpukernel.load(), cpukernel.reason()
     rng = np.random.default_rng(5)
@@ -250,17 +252,17 @@ def test_cpu_dense_kernel_equals_float64():
 def test_cpu_kernel_falls_back_to_the_sweep_without_a_compiler(monkeypatch, caplog):
     """No C++ compiler: CPU models get the XLA sweep (with a warning naming the reason),
     and asking for the kernel by name fails with the fix."""
-    from photon_jax import cpukernel
+    from photon_jax.kernels import cpukernel
 
     monkeypatch.setattr(cpukernel, "_state", {})
     monkeypatch.setattr(cpukernel, "_compiler", lambda: None)
     with caplog.at_level("WARNING"):
-        assert step_mod.default_attention("cpu") == "xla"
+        assert platforms.default_attention("cpu") == "xla"
     assert "no C++ compiler" in cpukernel.reason() and "falls back" in caplog.text
     with pytest.raises(ValueError, match="install a C\\+\\+ compiler"):
         step_mod.build(tiny(), "cpu-kernel")
     # The dense kernel goes with it: decode keeps XLA's products.
-    assert not cpukernel.dense_fast() and not step_mod.default_dense(tiny(), "xla")
+    assert not cpukernel.dense_fast() and not platforms.default_dense(tiny(), "xla")
     with pytest.raises(ValueError, match="dense=True needs"):
         step_mod.build(tiny(), "xla", dense=True)
     with pytest.raises(ValueError, match="dense=True needs"):   # and float32 only
@@ -301,14 +303,14 @@ def test_pallas_kernel_in_the_model_equals_the_xla_sweep():
                                    for li in range(t.n_layers)) for j in range(2)))
         args = (m.params, kv, step_mod.init_slot(cfg, rows), pend, jnp.asarray(meta),
                 jnp.asarray(pages))
-        calls = m.programs.forward.lower(*args).as_text().count(cpukernel.DENSE_TARGET)
+        calls = step_mod.programs_of(m).forward.lower(*args).as_text().count(cpukernel.DENSE_TARGET)
         # qkv and proj of every layer, fc1 and fc2 of the plain (not MoE) layers, the LM head.
         kinds = [kind for _, kind in text.layer_params(m.params["text"], t)]
         want = 2 * len(kinds) + 2 * kinds.count("dense") + 1
-        # (A CPU without AVX2 + FMA keeps XLA's products: `step.default_dense`.)
+        # (A CPU without AVX2 + FMA keeps XLA's products: `platforms.default_dense`.)
         used = attention == "cpu-kernel" and cpukernel.dense_fast()
         assert calls == (want if used else 0), (attention, calls, kinds)
-        out = m.programs.forward(*args)[1]
+        out = step_mod.programs_of(m).forward(*args)[1]
         logits.append(np.array(out.logits))
     for other in logits[1:]:
         np.testing.assert_allclose(other, logits[0], rtol=2e-5, atol=2e-5)
@@ -545,7 +547,8 @@ def test_the_engine_refuses_a_pool_larger_than_the_device(model, monkeypatch):
 def test_load_refuses_before_reading_the_weights(tiny_ckpt, monkeypatch):
     """Moondream.load checks weights + pool + slots against the device before it restores a
     byte of the checkpoint, and names the setting to change."""
-    from photon_jax import Moondream, checkpoint
+    from photon_jax import Moondream
+    from photon_jax.model import checkpoint
 
     def no_restore(*a, **k):
         raise AssertionError("the weights were read before the memory check")

@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from photon_jax import Moondream, constraints, reference, skills
+from photon_jax import Moondream
 from photon_jax.api import BatchError
-from photon_jax.engine import Engine, Request
-from photon_jax.pixels import ImageError, load_image
-from photon_jax.settings import Settings, SettingsError, parse
-from photon_jax.tokenizer import spatial_refs_prompt
+from photon_jax.engine import constraints, reference, skills
+from photon_jax.engine.core import Engine
+from photon_jax.engine.request import Request
+from photon_jax.engine.settings import parse, Settings, SettingsError
+from photon_jax.model.pixels import ImageError, load_image
+from photon_jax.model.tokenizer import spatial_refs_prompt
 
 from helpers import FIXTURE_DIR, biased_model
 
@@ -169,7 +171,7 @@ def test_image_loader_bytes_16bit_and_limits(tmp_path, monkeypatch):
         load_image(raw[: len(raw) // 2])      # truncated
     with pytest.raises(ImageError, match="empty \\(0 bytes\\)"):
         load_image(b"")
-    monkeypatch.setattr("photon_jax.pixels.MAX_PIXELS", 1000)
+    monkeypatch.setattr("photon_jax.model.pixels.MAX_PIXELS", 1000)
     with pytest.raises(ImageError, match="too large"):
         load_image(LAND)
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import sampling
+from photon_jax.model import sampling
 
 
 def full_sort_draw(logits_V, temperature, top_p, key):

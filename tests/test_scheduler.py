@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from photon_jax.request import Handle, Request, RequestError
-from photon_jax.scheduler import Origin, Scheduler, Seq, Source
+from photon_jax.engine.request import Handle, Request, RequestError
+from photon_jax.engine.scheduler import Origin, Scheduler, Seq, Source
 
 PAGE = 4
 

@@ -20,7 +20,7 @@ import uvicorn
 from PIL import Image
 
 from photon_jax import Moondream
-from photon_jax.cli.serve import ServeConfig, create_app
+from photon_jax.serve.app import create_app, ServeConfig
 
 from helpers import FIXTURE_DIR, in_threads
 
@@ -250,7 +250,7 @@ def test_models_health_metrics(live):
 def test_health_is_503_until_the_model_is_loaded():
     import asyncio
 
-    from photon_jax.cli.serve import Server
+    from photon_jax.serve.app import Server
     gate, model = threading.Event(), object()
     srv = Server(lambda: gate.wait(30) and model, ServeConfig())
     assert asyncio.run(srv.health(None)).status_code == 503
@@ -610,8 +610,8 @@ def test_segment_route_shapes_for_moondream3():
     import types
 
     from photon_jax.api import _Call
-    from photon_jax.request import Handle, Request
-    from photon_jax.scheduler import Outbox
+    from photon_jax.engine.request import Handle, Request
+    from photon_jax.engine.scheduler import Outbox
 
     result = {"path": "M 0.1 0.2 L 0.3 0.4 Z", "ids": [5], "finish_reason": "stop",
               "output_tokens": 7, "bbox": {"x_min": 0.1, "y_min": 0.2, "x_max": 0.3,

@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from photon_jax import memory, sharding
-from photon_jax.cli.caption import UsageError, device_groups
-from photon_jax.config import moondream2, moondream3, tiny
-from photon_jax.params import abstract_params
+from photon_jax.dataset.files import UsageError
+from photon_jax.dataset.job import device_groups
+from photon_jax.engine import memory
+from photon_jax.model import sharding
+from photon_jax.model.config import moondream2, moondream3, tiny
+from photon_jax.model.params import abstract_params
 
 
 def specs(cfg, n):

@@ -4,7 +4,8 @@ on the device."""
 
 import numpy as np
 
-from photon_jax import config, constraints, skills
+from photon_jax.engine import constraints, skills
+from photon_jax.model import config
 
 
 def test_constraint_table_is_the_rules():
@@ -31,8 +32,8 @@ def test_constraint_table_is_the_rules():
 
 
 def test_for_request_picks_the_skill():
-    from photon_jax.request import Request
-    from photon_jax.settings import Settings
+    from photon_jax.engine.request import Request
+    from photon_jax.engine.settings import Settings
 
     tok = config.tiny().tokenizer
     kw = dict(prompt_end=5, max_context=100, decode=lambda ids: "")

@@ -21,8 +21,8 @@ import pytest
 from photon_jax import sources
 from photon_jax.api import Moondream
 from photon_jax.cli.caption import main as caption_main
-from photon_jax.checkpoint import read_config
 from photon_jax.convert import ConvertError
+from photon_jax.model.checkpoint import read_config
 from helpers import BAD_SNAPSHOTS, gpt2_tokenizer, make_hf, read_safetensors
 
 REPO = "moondream-test/tiny"

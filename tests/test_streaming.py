@@ -9,11 +9,13 @@ import jax
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from photon_jax.engine import Engine, Request
+from photon_jax.engine.core import Engine
+
+from photon_jax.engine.request import Request
+from photon_jax.engine.settings import Settings
+from photon_jax.engine.streaming import is_cjk, TextStreamer
 from photon_jax.model import Model
-from photon_jax.settings import Settings
-from photon_jax.streaming import TextStreamer, is_cjk
-from photon_jax.tokenizer import Prompts
+from photon_jax.model.tokenizer import Prompts
 
 from helpers import FIXTURE_DIR
 
@@ -72,7 +74,7 @@ def test_flush_rules_on_bpe_text(bpe):
 
 
 def test_leading_space_rules(bpe, tiny_ckpt):
-    from photon_jax.config import TokenizerConfig
+    from photon_jax.model.config import TokenizerConfig
 
     pr = Prompts(bpe, TokenizerConfig())
     cat, space_cat = bpe.encode("cat").ids, bpe.encode(" cat").ids

@@ -9,11 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from photon_jax import kvpool, tpu_attention as ta
-from photon_jax.config import tiny
-from photon_jax.engine import Engine, Request
+from photon_jax.engine import kvpool
+from photon_jax.engine.core import Engine
+from photon_jax.engine.request import Request
+from photon_jax.engine.settings import Settings
+from photon_jax.kernels import tpu_attention as ta
 from photon_jax.model import Model
-from photon_jax.settings import Settings
+from photon_jax.model.config import tiny
 
 from helpers import FIXTURE_DIR, biased_model
 
@@ -216,11 +218,12 @@ def test_the_memory_plan_counts_the_8bit_tpu_pool():
     position against bfloat16's 128: the plan fits about 1.8x the tokens on a 16 GiB chip
     (1.88x the bytes' ratio, less its larger prefill workspace); an odd head count pays for
     its padded head."""
-    from photon_jax import memory, step
-    from photon_jax.config import moondream2
+    from photon_jax.engine import memory
+    from photon_jax.model import platforms
+    from photon_jax.model.config import moondream2
 
     cfg = moondream2("bfloat16")
-    plat = step.choose(cfg, "tpu", "pallas-tpu")
+    plat = platforms.choose(cfg, "tpu", "pallas-tpu")
     kw = dict(platform=plat, max_batch_size=32, max_context=2048, page_size=64,
               free=16 << 30)
     base, q8 = memory.plan(cfg, **kw), memory.plan(cfg, kv_dtype="int8", **kw)

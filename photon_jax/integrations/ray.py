@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cli.caption import failure, outcome
+from ..dataset.job import failure, outcome
 
 OUTPUT_COLUMNS = ("caption", "finish_reason", "output_tokens", "error")
 

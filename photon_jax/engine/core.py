@@ -1,0 +1,656 @@
+"""The Photon engine: pipelined continuous batching over one paged KV pool, two donated slots
+and device-resident pending inputs, driven by one scheduler thread.
+
+Each tick of the scheduler thread does, in this order (docs/architecture.md, "One request"):
+
+1. commit the oldest sampled step: read its host copy (started at finalize with
+   `copy_to_host_async`), feed each row's token to its skill, deliver finished results now
+   ("finalize early") and free rows whose last in-flight step this was ("release late");
+2. finalize the forward in flight: build each row's constraint from the state the commit
+   just updated (finalized rows: unconstrained) and dispatch `sample_step`, which writes the
+   next inputs into the per-row pending buffers on the device;
+3. launch the next forward into the free slot: a prefill if requests are ready (their first
+   token is sampled on the device and they join the next decode step before the host has
+   seen it), else a decode step of every eligible row.
+
+Dispatch is asynchronous, so forward t+1 runs on the device while the host commits step t;
+the host blocks only inside commit, on a copy started one step earlier.  The blocking twin
+(`pipelined=False`) runs the same code as launch -> finalize -> commit with no overlap.
+
+Memory: K/V live in one paged pool (`kvpool`, `pages`).  A request is admitted when a row
+and the pages of its whole budget (prompt + what it may generate) are free, evicting cached
+image prefixes least-recently-used if needed; pages are assigned lowest-first as it grows
+and come back when its row does.  A request whose image is in the prefix cache reads the
+cached prefix pages in place (the kernels; the XLA sweep copies them) instead of running the
+vision encoder and the prefix prefill.
+
+Invariants the tests check: at most two steps in flight; a slot is donated again only after
+the commit that read it finished (`inflight.PipelineState`); a row and its pages are reused
+only after the last step containing it was committed (`inflight_refs`); length caps are
+predicted at dispatch so they make no zombie; the launch path never syncs with the device
+(`hostsync`); every page is free again after `close()`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import jax
+import numpy as np
+import PIL.Image
+
+from ..model.loaded import Model
+from ..model.pixels import pil_pixels
+from ..model.tokenizer import region_inputs
+from . import constraints, frontend, hostsync, kvpool, memory, skills, step as step_mod
+from .frontend import EncodedImage, ImagePrefix, PreparedImage
+from .inflight import PipelineState
+from .pages import pages_for
+from .request import EngineError, Handle, Request, RequestError
+from .scheduler import Outbox, Scheduler, Seq
+from .stepmeta import pack_decode, pack_prefill
+
+_I32 = np.int32
+
+
+class StepTiming(NamedTuple):
+    """One committed step in `Engine.step_log`: host seconds spent in launch, finalize and
+    commit (commit excludes the wait for the host copy), that wait, and the step's start
+    and end times (perf_counter)."""
+    kind: str          # "prefill" / "decode"
+    rows: int
+    launch_s: float
+    finalize_s: float
+    commit_s: float
+    wait_s: float
+    t0: float
+    t_end: float
+
+
+class _InFlightStep:
+    __slots__ = ("kind", "slot", "seqs", "index", "meta", "out", "t_launch", "t_finalize",
+                 "t0")
+
+    def __init__(self, kind, slot, seqs, index, meta):
+        self.kind, self.slot, self.seqs, self.index, self.meta = kind, slot, seqs, index, meta
+        self.out = None
+        self.t_launch = self.t_finalize = 0.0
+        self.t0 = time.perf_counter()
+
+
+class Engine:
+    """The runner of one model on one device: a scheduler thread that packs the scheduler's
+    decisions into arrays, dispatches the device programs and commits their results (see
+    the module docstring).  `submit` / `submit_many` / `encode` from any thread; `close()`
+    drains and frees the device buffers."""
+
+    def __init__(self, model: Model, *, max_batch_size: int = 32, max_context: int | None = None,
+                 kv_cache_tokens: int | None = None, page_size: int = 64,
+                 prefix_cache: bool = True, pipelined: bool = True,
+                 prefill_tokens: int = 2048, workers: int = 2, log_steps: int = 100_000,
+                 record_events: bool = False, warmup: bool = False,
+                 prefill_drains: bool = False, host_work_ms: float = 0.0,
+                 kv_dtype: str | None = None, programs: step_mod.EnginePrograms | None = None):
+        cfg = model.cfg
+        # The pool's format: None (the model's dtype) or 8-bit codes + scales (`kvpool`).
+        self.kv_dtype = kvpool.canonical_kv_dtype(kv_dtype, cfg.dtype)
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
+        ctx = cfg.text.max_context if max_context is None else max_context
+        if not isinstance(ctx, int) or not cfg.prefix_len < ctx <= cfg.text.max_context:
+            raise ValueError(f"max_context must be an int in ({cfg.prefix_len}, "
+                             f"{cfg.text.max_context}], got {max_context!r}")
+        if page_size not in (16, 32, 64, 128, 256):
+            raise ValueError(f"page_size must be 16, 32, 64, 128 or 256, got {page_size!r}")
+        # What the device's platform means (`platforms.Platform`), with this engine's pool format.
+        plat = self.platform = model.platform.with_kv_dtype(self.kv_dtype)
+        self.model, self.cfg = model, cfg
+        self.programs = step_mod.programs_of(model) if programs is None else programs
+        self.max_batch_size, self.max_context, self.pipelined = max_batch_size, ctx, pipelined
+        # The device (the mesh's first, for its platform and free memory) and where host
+        # data for a program goes: that device, or replicated over the mesh.
+        self.device, self.placement = model.device, model.placement
+        # The GPU kernel's split plan counts programs per SM (None off a GPU: an H200's).
+        self.sms = getattr(self.device, "core_count", None) if plat.plans_splits else None
+        # Memory: planned from shapes and the device's free memory (the weights are placed
+        # already), refused with numbers if it cannot work.
+        self.plan = memory.check(
+            memory.plan(cfg, platform=plat, max_batch_size=max_batch_size,
+                        max_context=ctx, page_size=page_size, kv_cache_tokens=kv_cache_tokens,
+                        free=memory.device_free(self.device), weights_loaded=True,
+                        kv_dtype=self.kv_dtype, prefill_tokens=prefill_tokens,
+                        mesh_size=1 if model.tp is None else model.tp.n),
+            cfg, max_context=ctx, weights_loaded=True)
+        self.page_size, self.arenas = page_size, self.plan.arenas
+        self.sweep = plat.sweeps   # page owners uploaded per step
+        self.max_pages = pages_for(ctx, page_size)   # a row's page table
+        self.dev = step_mod.DeviceState.init(cfg, arena_sizes=self.arenas.sizes,
+                                             page_size=page_size,
+                                             max_batch_size=max_batch_size, device=self.device,
+                                             kv_dtype=self.kv_dtype, tp=model.tp,
+                                             pack=plat.pack)
+        self.sched = Scheduler(max_batch_size=max_batch_size, n_pages=self.arenas.n_pages,
+                               page_size=page_size, prefix_len=cfg.prefix_len,
+                               prefill_tokens=prefill_tokens, prefix_cache=prefix_cache,
+                               record_events=record_events, share_prefix=plat.shares_prefix)
+        self.pipe = PipelineState()
+        self.steps_log: collections.deque[StepTiming] = collections.deque(maxlen=log_steps)
+        self.counters = collections.Counter()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._unpins: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._closing = False
+        self.failure: BaseException | None = None
+        self.alive = True
+        self._warmup = warmup
+        self._warm = threading.Event()   # set once warm-up compiled (or was not asked)
+        # Benchmark knobs: drain the pipeline before each prefill (Photon's older rule), and
+        # burn this much host time per commit (to chart the gain against the host's share).
+        self.prefill_drains, self.host_work_s = prefill_drains, host_work_ms / 1e3
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="photon-prep")
+        self._thread = threading.Thread(target=self._loop, name="photon-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- caller side ----------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Let the scheduler thread look at its inbox and cancellations now."""
+        self._wake.set()
+
+    def memory(self) -> dict:
+        """The device buffers allocated at start-up and how the KV pool is used now (pages
+        of `page_size` positions; `kv_cache_tokens` = usable pages x page size; `kv_dtype`:
+        the pool's format, `kv_bytes_per_token`: K + V of a position over every layer,
+        scales included)."""
+        a, c = self.sched.alloc, self.sched.cache
+        return {"kv_pool": self.plan.pool, "kv_cache_tokens": self.plan.kv_cache_tokens,
+                "kv_dtype": self.kv_dtype or self.cfg.dtype,
+                "kv_bytes_per_token": memory.bytes_per_token(self.cfg, kv_dtype=self.kv_dtype,
+                                                              pack=self.platform.pack),
+                "page_size": self.page_size, "pages": a.usable, "pages_free": a.n_free,
+                "pages_reserved": a.reserved,
+                "pages_in_sequences": a.in_use() - c.pages(),
+                "pages_in_prefix_cache": c.pages(),
+                "arenas": list(self.arenas.sizes),
+                "slots": self.dev.nbytes()["slots"], "pending": self.dev.nbytes()["pending"],
+                "weights": self.plan.weights}
+
+    def stats(self) -> dict:
+        """Counters: steps by kind, tokens committed, zombie rows, and the prefix cache's
+        hits, misses, inserts, evictions, current entries and pinned ones (held by
+        `encode_image` handles or by running requests reading their pages)."""
+        c = self.sched.cache
+        return {**dict(self.counters),
+                "prefix_cache": {"enabled": c.enabled, "hits": c.hits, "misses": c.misses,
+                                 "inserts": c.inserts, "evictions": c.evictions,
+                                 "entries": len(c.entries),
+                                 "pinned": sum(1 for e in c.entries.values() if e.pins)}}
+
+    def submit(self, req: Request) -> Handle:
+        """Queue a request; never blocks on the device.  A request that cannot run fails
+        its own handle (the error names the input) and costs nothing else."""
+        return self.submit_many([req])[0]
+
+    def submit_many(self, reqs: list[Request]) -> list[Handle]:
+        """Queue several requests at once: the scheduler sees them together, so they can
+        share their prefill launches and every decode step."""
+        if not self.alive or self._closing:
+            raise EngineError("the engine is closed" if self.failure is None else
+                              f"the engine stopped after an error: {self.failure}")
+        handles, seqs = [], []
+        failed = Outbox()   # requests refused here, before the scheduler sees them
+        pixels = {}   # id(PIL image) -> its pixels: a list sharing one image copies it once
+        for req in reqs:
+            h = Handle(self, req)
+            handles.append(h)
+            try:
+                if isinstance(req.image, PIL.Image.Image):
+                    # On the caller's thread, before submit returns: the request owns a copy
+                    # of the pixels (`pil_pixels`), so threads sharing one lazily opened
+                    # image do not race in PIL's loader, and the caller may close or change
+                    # the image afterwards.
+                    if id(req.image) not in pixels:
+                        pixels[id(req.image)] = pil_pixels(req.image)
+                    h.request = dataclasses.replace(req, image=pixels[id(req.image)])
+                seqs.append(self._admit(h))
+            except (RequestError, ValueError, TypeError) as e:
+                failed.result(h, error=e)
+        failed.flush()
+        self._inbox.put(seqs)
+        self._wake.set()
+        if not self.alive:   # the scheduler exited between the check above and the put
+            late = Outbox()   # (its own last flush may have failed them too: first wins)
+            for h in handles:
+                late.result(h, error=EngineError("the engine is closed"))
+            late.flush()
+        return handles
+
+    def encode(self, image) -> Handle:
+        """Encode an image into the prefix cache and pin it there: the handle's result is an
+        `EncodedImage` (release it, or drop it, to unpin)."""
+        return self.submit(Request("encode", [], image))
+
+    def _admit(self, h: Handle) -> Seq:
+        req, cfg = h.request, self.cfg
+        if req.skill not in ("text", "detect", "point", "segment", "encode"):
+            raise RequestError(f"unknown skill {req.skill!r}; expected text, detect, point or "
+                               "segment")
+        encode = req.skill == "encode"
+        if encode and req.image is None:
+            raise RequestError("nothing to encode: the image is None")
+        if not req.prompt and not encode:
+            raise RequestError("empty prompt")
+        base = 0 if req.image is None else cfg.prefix_len
+        p_end = base + len(req.prompt)
+        if p_end > self.max_context:
+            raise RequestError(
+                f"prompt of {len(req.prompt)} tokens (+{base} image positions) exceeds the "
+                f"context of {self.max_context} tokens; shorten the question")
+        skill = None if encode else skills.for_request(
+            req, cfg.tokenizer, prompt_end=p_end, max_context=self.max_context,
+            decode=self.model.prompts.decode,
+            on_text=functools.partial(self.sched.outbox.text, h),
+            on_reasoning=functools.partial(self.sched.outbox.reasoning, h))
+        seq = Seq(h, base, p_end, skill)
+        h.id = seq.id
+        seq.need_pages = self.sched.budget_pages(seq, self.max_context)
+        if seq.need_pages > self.sched.alloc.usable:
+            raise RequestError(
+                f"this request needs {seq.need_pages * self.page_size} KV positions (prompt "
+                f"{p_end} + up to {0 if encode else seq.skill.budget} generated), more than "
+                f"the whole KV pool ({self.plan.kv_cache_tokens} tokens); raise "
+                "kv_cache_tokens (--kv-cache-tokens) or lower max_tokens / max_objects")
+        if req.region:
+            if req.image is None:
+                raise RequestError("spatial refs need an image")
+            seq.kinds, seq.values = region_inputs(req.prompt, req.region, cfg.tokenizer)
+        img = req.image
+        if isinstance(img, EncodedImage):
+            if img._engine is not self:
+                raise RequestError("this EncodedImage was made by another model or engine; "
+                                   "encode the image with this one")
+            if img.released:
+                raise RequestError("this EncodedImage was released; encode the image again")
+            seq.key, seq.encoded = img.key, True
+        if isinstance(img, PreparedImage):
+            seq.key = img.key
+        if img is None or isinstance(img, (EncodedImage, PreparedImage, ImagePrefix)):
+            seq.image, seq.ready = img, True
+        else:
+            # The cache's keys now, a hint for skipping the crops of a cached image: if the
+            # entry is gone by the time the request is admitted, it is prepared again.
+            c = self.sched.cache
+            self._prepare(seq, c.keys if c.enabled else frozenset())
+        return seq
+
+    def _prepare(self, seq: Seq, skip_crops_for=frozenset()) -> None:
+        """Decode, hash and crop the request's image on a worker thread (`seq.prep`)."""
+        seq.prep = self._pool.submit(frontend.prepare_image, self.model, seq.req.image,
+                                     skip_crops_for)
+        seq.prep.add_done_callback(lambda _: self._wake.set())
+
+    def release_prefix(self, key: bytes) -> None:
+        """Unpin the prefix-cache entry of image key `key` (`EncodedImage.release`).  Any
+        thread, including a finalizer: queued for the scheduler thread."""
+        if self.alive:
+            self._unpins.put(key)
+            self._wake.set()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish every accepted request, stop the scheduler thread, free device buffers
+        (and every page of the pool: cached prefixes are dropped, pinned or not)."""
+        self._closing = True
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise EngineError(f"the scheduler did not stop within {timeout} s")
+        self._pool.shutdown(wait=True)
+        self.sched.cache.clear()
+        for leaf in jax.tree.leaves(self.dev):
+            if not leaf.is_deleted():
+                leaf.delete()
+
+    def wait_warm(self, timeout: float | None = None) -> None:
+        """Block until start-up warm-up (`warmup=True`) has compiled every shape; raises the
+        engine's error if it failed."""
+        if not self._warm.wait(timeout):
+            raise EngineError(f"warm-up did not finish within {timeout} s")
+        if self.failure is not None:
+            raise EngineError(f"the engine failed during warm-up: {self.failure!r}") \
+                from self.failure
+
+    def step_log(self) -> list[dict]:
+        """Per committed step: kind, rows, host seconds in launch / finalize / commit (commit
+        excludes the wait for the host copy), the wait, and the step's end time.  A step is
+        logged before the results it finished go out."""
+        return [r._asdict() for r in list(self.steps_log)]
+
+    # -- scheduler thread -----------------------------------------------------------------
+
+    def _compile_decode_shapes(self) -> None:
+        """Compile decode for every (row bucket, number of arenas read) and the four sampling
+        variants for every row bucket, so steady decoding never waits for the compiler.
+        Every row is the dummy row and page 0: nothing real is touched."""
+        P, params = self.programs, self.model.params
+        for rb in step_mod.row_buckets(self.max_batch_size):
+            meta = jax.device_put(np.zeros((4 + self.max_pages, rb), _I32), self.placement)
+            samp = np.zeros((step_mod.S_ALLOW + 1, rb), _I32)
+            samp[step_mod.S_ALLOW] = -1
+            samp = jax.device_put(samp, self.placement)
+            for n in range(1, self.arenas_count + 1):
+                pages = np.zeros((2, self.arenas.pages_in(n) if self.sweep else 1), _I32)
+                pages[0] = rb
+                for splits in P.split_variants(rb, self.sms):
+                    dev = self.dev
+                    part, dev.slots[0] = P.forward(params, dev.pool.arenas(n), dev.slots[0],
+                                                   dev.pending, meta,
+                                                   jax.device_put(pages, self.placement), splits)
+                    dev.pool = dev.pool.merge(part)
+            for sampler in P.sample_step.values():
+                dev = self.dev
+                dev.slots[0], dev.pending = sampler(params, dev.slots[0], dev.pending,
+                                                    dev.tables, samp)
+        jax.block_until_ready(self.dev.pending)
+
+    def _compile_prefill_shapes(self) -> None:
+        """Compile the prompt prefill for every prefill row bucket, prompts of up to 32
+        tokens (captions and short questions), after an image prefix and text-only; the
+        prefix page writes and copies; and the vision encoder for the crop layouts of
+        4:3, 3:4 and square images of at least 756 pixels a side (the common photo shapes;
+        other layouts compile when first seen).  Padding rows write page 0 only."""
+        P, params, cfg = self.programs, self.model.params, self.cfg
+        put = lambda a: jax.device_put(a, self.placement)  # noqa: E731
+        for rb in step_mod.prefill_row_buckets(self.max_batch_size):
+            for tb in (16, 32):
+                for start in (cfg.prefix_len, 0):
+                    kv_len = step_mod.kv_bucket(start + tb, self.max_context)
+                    kv_len = -(-kv_len // self.page_size) * self.page_size
+                    pre, write, table = pack_prefill([], [], [], [], [], rb, tb, kv_len,
+                                                     self.page_size)
+                    z = np.zeros((rb, tb), _I32)
+                    dev = self.dev
+                    dev.pool, dev.slots[1] = P.prefill_slot(
+                        params, dev.pool, dev.slots[1], put(z), put(z),
+                        put(np.zeros((rb, tb, 2), np.float32)), put(pre), put(write),
+                        put(table))
+        zero = [0] * self.sched.prefix_pages
+        copied = np.zeros(self.sched.prefix_pages - self.sched.shared_pages, _I32)
+        if copied.size:
+            self.dev.pool = P.copy_pages(self.dev.pool, put(copied), put(copied))
+        for hw in ((768, 1024), (1024, 768), (1024, 1024)):
+            prep = frontend.prepare_image(self.model, np.full((*hw, 3), 128, np.uint8))
+            self._write_prefix(self._encode(prep), zero)
+        jax.block_until_ready(self.dev.pool)
+
+    @property
+    def arenas_count(self) -> int:
+        """-> the number of pool arenas (decode compiles one program per count it reads)."""
+        return len(self.arenas.sizes)
+
+    def _loop(self) -> None:
+        try:
+            if self._warmup:
+                self._compile_decode_shapes()
+                self._compile_prefill_shapes()
+            self._warm.set()
+            while True:
+                self._wake.clear()
+                self._take_inbox()
+                self.sched.settle_cancels()
+                progressed = self._tick()
+                for s in self.sched.take_unprepared():
+                    self._prepare(s)
+                self.sched.flush_outbox()   # what the tick decided outside a commit
+                if not progressed:
+                    if (self._closing and self.sched.drained() and self.pipe.idle()
+                            and self._inbox.empty()):
+                        break
+                    self.sched.check_stuck(self.pipe.idle())
+                    self._wake.wait(0.05)
+        except BaseException as e:  # a device or engine error: every request fails
+            self.failure = e
+            self._fail_everything(e)
+        finally:
+            self.alive = False
+            self._warm.set()
+            self._fail_everything(EngineError("the engine stopped"))
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                self.sched.add(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        while True:
+            try:
+                self.sched.cache.unpin(self._unpins.get_nowait())
+            except queue.Empty:
+                return
+
+    def _tick(self) -> bool:
+        if self.sched.encodes:
+            self._run_encodes()
+        if self.pipelined:
+            progressed = False
+            if self.pipe.queue:
+                self._commit()
+                progressed = True
+            if self.pipe.launch is not None:
+                self._finalize()
+                progressed = True
+            if self.pipe.can_launch() and self._launch():
+                progressed = True
+            return progressed
+        if not self._launch():
+            return False
+        self._finalize()
+        self._commit()
+        return True
+
+    def _run_encodes(self) -> None:
+        """`Engine.encode` jobs: pin the image's entry, computing it if it is not cached."""
+        while (job := self.sched.next_encode()) is not None:
+            s, src = job
+            if not src.hit:
+                with hostsync.sync_free():
+                    self._write_prefix(self._encode(s.image), src.entry.pages)
+            self.sched.finish_encode(s, EncodedImage(self, s.key, src.entry.tiling))
+
+    # launch ---------------------------------------------------------------------------
+
+    def _launch(self) -> bool:
+        slot = self.pipe.free_slot()
+        decode = self.sched.eligible()
+        batch = self.sched.plan_prefill(bool(decode))
+        if batch and self.prefill_drains and not self.pipe.idle():
+            self.sched.unplan(batch)
+            return False   # let the steps in flight commit first
+        if batch:
+            self._launch_prefill(batch, slot)
+        elif decode:
+            self._launch_decode(decode, slot)
+        else:
+            return False
+        return True
+
+    def _prefix_slots(self, pages: list[int]):
+        """Page and offset of each prefix position, for pages in logical order."""
+        pos = np.arange(self.cfg.prefix_len)
+        return np.asarray(pages, _I32)[pos // self.page_size], (pos % self.page_size).astype(_I32)
+
+    def _encode(self, prep: PreparedImage) -> ImagePrefix:
+        return frontend.encode_prepared(self.programs.image_kv, self.model.params, prep)
+
+    def _write_prefix(self, enc: ImagePrefix, pages: list[int]) -> None:
+        page_s, off_s = self._prefix_slots(pages)
+        put = lambda a: jax.device_put(a, self.placement)  # noqa: E731
+        self.dev.pool = self.programs.write_prefix_pages(self.dev.pool, enc.k, enc.v,
+                                                         put(page_s), put(off_s))
+
+    def _copy_unshared(self, s: Seq, entry) -> None:
+        """The prefix pages of `entry` the request does not read in place, copied into its
+        own: all of them for the XLA sweep, the last, partial one for the kernels."""
+        a, b = self.sched.n_shared(s), self.sched.prefix_pages
+        if b > a:
+            put = lambda x: jax.device_put(np.asarray(x, _I32), self.placement)  # noqa: E731
+            self.dev.pool = self.programs.copy_pages(self.dev.pool, put(entry.pages[a:b]),
+                                                     put(s.pages[a:b]))
+
+    def _launch_prefill(self, batch: list[Seq], slot: int) -> None:
+        t0 = time.perf_counter()
+        P, params = self.programs, self.model.params
+        n = len(batch)
+        rb = step_mod.prefill_row_bucket(n, self.max_batch_size)
+        lens = [len(s.req.prompt) for s in batch]
+        tb = step_mod.prompt_bucket(max(lens))
+        ids = np.zeros((rb, tb), _I32)
+        kinds = np.zeros((rb, tb), _I32)
+        values = np.zeros((rb, tb, 2), np.float32)
+        self.sched.start_prefill(batch)   # rows taken, clocks started
+        for i, s in enumerate(batch):
+            ids[i, :lens[i]] = s.req.prompt
+            if s.kinds is not None:
+                kinds[i, :lens[i]], values[i, :lens[i]] = s.kinds, s.values
+        starts = [s.prefix for s in batch]
+        kv_len = step_mod.kv_bucket(max(starts) + tb, self.max_context)
+        kv_len = -(-kv_len // self.page_size) * self.page_size
+        pre, write, table = pack_prefill([s.row for s in batch], starts, starts, lens,
+                                         [s.pages for s in batch], rb, tb, kv_len,
+                                         self.page_size)
+        put = lambda a: jax.device_put(a, self.placement)  # noqa: E731
+        with hostsync.sync_free():
+            for s in batch:
+                src, img = s.source, s.image
+                if src is not None and src.hit:
+                    self.sched.cache.count_hit()
+                    self._copy_unshared(s, src.entry)
+                elif isinstance(img, ImagePrefix):
+                    self._write_prefix(img, s.pages)
+                elif src is not None:   # a miss: encode once, into the new entry if any
+                    self.sched.cache.count_miss()
+                    enc = self._encode(img)
+                    if src.entry is None:
+                        self._write_prefix(enc, s.pages)
+                    else:
+                        self._write_prefix(enc, src.entry.pages)
+                        self._copy_unshared(s, src.entry)
+                s.image = s.source = None   # the prefix now lives in its pages
+            meta_d = put(pre)
+            dev = self.dev
+            dev.pool, dev.slots[slot] = P.prefill_slot(params, dev.pool, dev.slots[slot],
+                                                       put(kinds), put(ids), put(values),
+                                                       meta_d, put(write), put(table))
+        st = _InFlightStep("prefill", slot, batch, [0] * n, meta_d)
+        st.t0, st.t_launch = t0, time.perf_counter() - t0
+        self.pipe.on_launch(st)
+
+    def _launch_decode(self, rows: list[Seq], slot: int) -> None:
+        t0 = time.perf_counter()
+        n = len(rows)
+        rb = step_mod.row_bucket(n, self.max_batch_size)
+        index = self.sched.grow(rows)   # each row's page of the position it writes
+        meta, pages, n_arenas = pack_decode([s.row for s in rows], [s.length for s in rows],
+                                            [s.pages for s in rows], rb, self.max_pages,
+                                            self.page_size, self.arenas, owners=self.sweep)
+        # The GPU kernel's splits, from the real rows' attended lengths (position + 1): a
+        # static variant of forward, all of them compiled at start (1 off the GPU kernel).
+        splits = self.programs.decode_splits([s.length + 1 for s in rows], self.page_size,
+                                             self.sms)
+        with hostsync.sync_free():
+            meta_d = jax.device_put(meta, self.placement)
+            dev = self.dev
+            part, dev.slots[slot] = self.programs.forward(
+                self.model.params, dev.pool.arenas(n_arenas), dev.slots[slot], dev.pending,
+                meta_d, jax.device_put(pages, self.placement), splits)
+            dev.pool = dev.pool.merge(part)
+        self.sched.start_decode(rows)
+        st = _InFlightStep("decode", slot, rows, index, meta_d)
+        st.t0, st.t_launch = t0, time.perf_counter() - t0
+        self.pipe.on_launch(st)
+
+    # finalize (sample) -------------------------------------------------------------------
+
+    def _finalize(self) -> None:
+        t0 = time.perf_counter()
+        st = self.pipe.launch
+        rb = st.meta.shape[1]
+        allowed = [None if s.finalized else s.skill.allowed(i)
+                   for s, i in zip(st.seqs, st.index)]
+        # The general path: per-row allowed ids, -1 padded to a power-of-two width (1 when
+        # no row restricts), so the common step keeps one compiled shape.
+        width = step_mod.row_bucket(max((len(a) for a in allowed if a), default=1), 1 << 20)
+        samp = np.zeros((step_mod.S_ALLOW + width, rb), _I32)
+        samp[step_mod.S_ALLOW:] = -1
+        for i, a in enumerate(allowed):
+            if a:
+                samp[step_mod.S_ALLOW:step_mod.S_ALLOW + len(a), i] = a
+        temps = np.zeros(rb, np.float32)
+        top_ps = np.ones(rb, np.float32)
+        for i, s in enumerate(st.seqs):
+            samp[step_mod.S_ROW, i] = s.row
+            if s.finalized:   # a zombie: sampled unconstrained and greedy, result discarded
+                self.counters["zombie_rows"] += 1
+                continue
+            idx = st.index[i]
+            if s.skill.count != idx:
+                raise EngineError(f"sampling token {idx} of a request that committed "
+                                  f"{s.skill.count}: the pipeline lost its order")
+            cfg = s.req.settings
+            samp[step_mod.S_CONSTRAINT, i] = s.skill.constraint(idx)
+            samp[step_mod.S_INDEX, i] = idx
+            samp[step_mod.S_SEED, i] = cfg.seed
+            if not s.skill.spatial:   # detect / point are greedy, as in the reference
+                temps[i], top_ps[i] = cfg.temperature, cfg.top_p
+        samp[step_mod.S_TEMP] = temps.view(_I32)
+        samp[step_mod.S_TOP_P] = top_ps.view(_I32)
+        # The program variant, known here without asking the device: does any row draw at
+        # random, can any row's constraint yield a coordinate or size?
+        sampler = self.programs.sampler(bool(np.any(temps > 0)), bool(np.isin(
+            samp[step_mod.S_CONSTRAINT, :len(st.seqs)], constraints.REGION).any()))
+        with hostsync.sync_free():
+            samp_d = jax.device_put(samp, self.placement)
+            dev = self.dev
+            dev.slots[st.slot], dev.pending = sampler(
+                self.model.params, dev.slots[st.slot], dev.pending, dev.tables, samp_d)
+            st.out = self.dev.slots[st.slot].out
+        # Started outside the guard: on an accelerator jaxlib applies the device-to-host
+        # guard inside copy_to_host_async itself (CPU buffers are zero-copy and exempt).
+        # Starting a copy only enqueues it; commit waits for it a step later.
+        st.out.copy_to_host_async()
+        for s in st.seqs:
+            s.pending_ready = True
+        self.pipe.on_sampled(st)
+        st.t_finalize = time.perf_counter() - t0
+
+    # commit ------------------------------------------------------------------------------
+
+    def _commit(self) -> None:
+        st = self.pipe.pop_oldest()
+        t0 = time.perf_counter()
+        host = np.array(st.out)   # a copy: a live view would defeat the slot's donation
+        t1 = time.perf_counter()
+        st.out = None
+        self.counters["tokens"] += self.sched.commit(st.seqs, host[:, 0],
+                                                     host[:, 1:3].view(np.float32), t1)
+        if self.host_work_s:
+            end = t1 + self.host_work_s
+            while time.perf_counter() < end:
+                pass
+        self.pipe.on_step_completed()
+        t2 = time.perf_counter()
+        self.counters[st.kind] += 1
+        self.steps_log.append(StepTiming(st.kind, len(st.seqs), st.t_launch, st.t_finalize,
+                                         t2 - t1, t1 - t0, st.t0, t2))
+        self.sched.flush_outbox()
+
+    def _fail_everything(self, err: BaseException) -> None:
+        self.sched.flush_outbox()   # results finished before the failure still count
+        self._take_inbox()
+        self.sched.fail_all(err)

@@ -1,0 +1,316 @@
+"""The text decoder (Phi-style parallel blocks) and the LM head; the dense KV cache.
+
+Moondream 3 adds, by config: tau attention in every layer (q and v scaled per token and head
+before RoPE and before the cache write), and mixture-of-experts MLPs (`moe.py`) in the
+layers from `text.moe.start_layer` on.  Checkpoints stack each group of layers
+(`params["text"]["blocks"]`, `["moe_blocks"]`) on a leading axis; loaded models hold them as
+lists of per-layer dicts (`unstack_layers`) and `forward` unrolls the layer loop.
+
+Pure functions over `params["text"]`.  One `forward` serves every use: the 730-position image
+prefix (bidirectional inside the prefix), prompt prefill, one-token decode, for one row or
+many, over a dense cache or the engine's paged pool (the `access` object says where K/V go
+and what each row attends).  The mask is built from positions, so rows never see each other
+and a row's result does not depend on what else is in the batch.
+
+The model's entry points (`input_embeddings`, `image_prefix`, `image_kv`, the dense-cache
+`prefill` / `decode` of the one-request path, `write_prefix`) take the whole param dict and
+the `MoondreamConfig` (keyword `cfg`); `step` jits them, `functional` calls them.
+
+Dense cache layout: [L, R, S, K, H] (layers, cache rows, positions, kv heads, head dim).  K
+is stored post-RoPE in the reference's interleaved order (rotated pairs (j, j+16) written to
+dims 2j, 2j+1), so a cache can be compared with the reference's directly.
+"""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..base.dtypes import F32, jnp_dtype, matmul_precision
+from . import moe, region, vision
+from .config import KIND_COORD, KIND_SIZE, MoondreamConfig, TextConfig
+from .layers import attention, attention_mask, layer_norm, linear, mlp
+
+
+@flax.struct.dataclass
+class KVCache:
+    """A dense cache, one row per sequence: [L, R, S, K, H] each.  The one-request path (the
+    oracle), image prefixes and the functional entry points use it; the engine's pool is
+    `kvpool.KVPool`."""
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
+
+
+def cache_shape(cfg: TextConfig, rows: int, length: int | None = None):
+    return (cfg.n_layers, rows, length or cfg.max_context, cfg.n_kv_heads, cfg.head_dim)
+
+
+def init_cache(cfg: MoondreamConfig, rows: int, length: int | None = None, dtype=None):
+    shape = cache_shape(cfg.text, rows, length)
+    dt = jnp_dtype(dtype or cfg.dtype)
+    return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+
+
+@flax.struct.dataclass
+class DenseAccess:
+    """Rows `rows_R` of a dense `KVCache`: writes at each input's position, attention over
+    the first `kv_len` (static) positions.  Positions past the cache are dropped on write."""
+    rows_R: jax.Array
+    prefix_R: jax.Array
+    kv_len: int = flax.struct.field(pytree_node=False)
+
+    def update(self, cache: KVCache, li: int, q, k, v, pos_RT):
+        idx = (li, self.rows_R[:, None], pos_RT)
+        kc = cache.k.at[idx].set(k.astype(cache.k.dtype), mode="drop")
+        vc = cache.v.at[idx].set(v.astype(cache.v.dtype), mode="drop")
+        mask = attention_mask(pos_RT, self.prefix_R, self.kv_len)
+        a = attention(q, kc[li, self.rows_R, :self.kv_len].astype(q.dtype),
+                      vc[li, self.rows_R, :self.kv_len].astype(q.dtype), mask)
+        return KVCache(kc, vc), a
+
+
+def rope_inv_freq(cfg: TextConfig) -> np.ndarray:
+    # Computed on the host in float32 exactly as the reference does (theta ** (2j/rot)).
+    rot = cfg.rope_dim
+    exps = np.arange(0, rot, 2, dtype=np.float32)[: rot // 2] / np.float32(rot)
+    return (np.float32(1.0) / np.power(np.float32(cfg.rope_theta), exps)).astype(np.float32)
+
+
+def apply_rope(x_RTQH, pos_RT, cfg: TextConfig):
+    """Rotate the first `rope_dim` dims (halves j and j+rot/2 as pairs), written interleaved."""
+    rot, half = cfg.rope_dim, cfg.rope_dim // 2
+    ang = pos_RT.astype(F32)[..., None] * jnp.asarray(rope_inv_freq(cfg))   # [R, T, half]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    xr = x_RTQH[..., :rot].astype(F32)
+    re, im = xr[..., :half], xr[..., half:]
+    out = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1)
+    out = out.reshape(*x_RTQH.shape[:-1], rot).astype(x_RTQH.dtype)
+    return jnp.concatenate([out, x_RTQH[..., rot:]], axis=-1)
+
+
+def tau_factors(p, qkv_RTQ, pos_RT):
+    """Tau attention's per-head scales of q and v, each [R, T, N]: tanh(GELU_erf(qkv) @ w)
+    plus the position term 1 + (sigmoid(alpha * ln(p + 1)) - 0.5).
+
+    p + 1 is formed in the model dtype, as the reference does (bf16 rounds positions above
+    256: 730 -> 728); the log and sigmoid then run in float32 and the term is rounded once.
+    (Rounding the log too, op by op, moved our bf16 hidden states twice as far from the
+    float32 oracle as the oracle's own bf16 run.)"""
+    dt = qkv_RTQ.dtype
+    u = moe.gelu_erf(qkv_RTQ)
+    prec = matmul_precision(dt)
+
+    def tok(w):
+        return jnp.tanh(jnp.einsum("rtq,qn->rtn", u, w, precision=prec,
+                                   preferred_element_type=F32).astype(dt))
+
+    logp = jnp.log((pos_RT.astype(dt) + jnp.asarray(1, dt)).astype(F32))
+    alpha = p["alpha"].astype(F32)[None, None, :]
+    tp = (1 + (jax.nn.sigmoid(alpha * logp[..., None]) - 0.5)).astype(dt)
+    return tok(p["wq"]) + tp, tok(p["wv"]) + tp
+
+
+def layer_params(pt, cfg: TextConfig) -> list:
+    """Each text layer's params in order, with its kind ("dense" or "moe").  The serving
+    params hold them as lists (one dict per layer: see `unstack_layers`); checkpoints and
+    `init_params` stack them on a leading axis, sliced here (tests, conversion checks)."""
+    out = []
+    for group, kind, n in (("blocks", "dense", cfg.n_dense), ("moe_blocks", "moe", cfg.n_moe)):
+        if not n:
+            continue
+        g = pt[group]
+        layers = g if isinstance(g, (list, tuple)) else [
+            jax.tree.map(lambda a, i=i: a[i], g) for i in range(n)]
+        out += [(p, kind) for p in layers]
+    return out
+
+
+def unstack_layers(params: dict, free: bool = False) -> dict:
+    """Stacked text layer groups -> lists of per-layer dicts, and the LM head transposed to
+    [V, D] (`w_vd`); with `free`, each stacked array is deleted once sliced (peak memory: the
+    weights plus one stacked tensor).  Serving programs unroll the layer loop over these: on
+    XLA:CPU a scan over stacked weights copies each layer's weights in every call (measured:
+    3.4 ms -> 8.9 ms for 4 layers of width 512 at batch 1)."""
+    text = dict(params["text"])
+    for group in ("blocks", "moe_blocks"):
+        g = text.get(group)
+        if g is None or isinstance(g, (list, tuple)):
+            continue
+        paths, treedef = jax.tree.flatten(g)
+        n = paths[0].shape[0]
+        per_layer = [[] for _ in range(n)]
+        for leaf in paths:
+            for i in range(n):
+                per_layer[i].append(leaf[i])
+            if free and isinstance(leaf, jax.Array):
+                leaf.delete()
+        text[group] = [jax.tree.unflatten(treedef, xs) for xs in per_layer]
+    head = text.get("lm_head")
+    if head is not None and "w" in head:
+        # The LM head as [V, D]: XLA:CPU's dot reads a [D, V] weight several times over at 8
+        # to 32 rows (measured: 54 ms -> 14-21 ms at 32 rows, width 512); GPU layouts are
+        # XLA's choice either way.
+        w = head["w"]
+        text["lm_head"] = {"w_vd": w.T, "b": head["b"]}
+        if free and isinstance(w, jax.Array):
+            jax.block_until_ready(text["lm_head"]["w_vd"])
+            w.delete()
+    return {**params, "text": text}
+
+
+def stack_layers(params: dict) -> dict:
+    """The inverse of `unstack_layers` (the checkpoint layout)."""
+    text = dict(params["text"])
+    for group in ("blocks", "moe_blocks"):
+        g = text.get(group)
+        if isinstance(g, (list, tuple)):
+            text[group] = jax.tree.map(lambda *xs: jnp.stack(xs), *g)
+    head = text.get("lm_head")
+    if head is not None and "w_vd" in head:
+        text["lm_head"] = {"w": head["w_vd"].T, "b": head["b"]}
+    return {**params, "text": text}
+
+
+def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "blocks",
+            dense=linear, tp=None):
+    """Run the decoder on input embeddings -> (hidden before post_ln [R, T, D], kv, routes).
+
+    `kv` is a dense `KVCache` or the engine's `kvpool.KVPool`; `access` says where each
+    row's K/V are written and what it attends (`DenseAccess`, `kvpool.PrefillAccess`,
+    `kvpool.DecodeAccess`).  `routes`: the MoE routing, (expert ids, weights) each
+    [Lm, R, T, k] over the MoE layers in order, or None without MoE layers.  `grouped`: the
+    MoE prefill schedule (`moe.schedule`).  `dense`: what computes the dense layers
+    (`layers.linear`; the CPU decode step passes `cpukernel.linear`).  `tp`: the layout over
+    a mesh (`sharding.TensorParallel`; None: one device): dense layers by output columns,
+    experts by expert (a pool access carries its own `tp` for the attention).
+    """
+    if tp is not None:
+        dense = tp.dense(dense)
+    r, t, d = x_RTD.shape
+    nh, kh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    x, routes = x_RTD, []
+    for li, (p, kind) in enumerate(layer_params(pt, cfg)):
+        h = layer_norm(x, p["ln"])
+        qkv = dense(h, p["qkv"])
+        q = qkv[..., : nh * hd].reshape(r, t, nh, hd)
+        k = qkv[..., nh * hd:(nh + kh) * hd].reshape(r, t, kh, hd)
+        v = qkv[..., (nh + kh) * hd:].reshape(r, t, kh, hd)
+        if cfg.tau:
+            tq, tv = tau_factors(p["tau"], qkv, pos_RT)
+            q = q * tq[..., None]
+            # One factor per query head; kv head j takes head j's (all heads have their own
+            # kv head in Moondream 3).
+            v = v * tv[..., :kh, None]
+        q = apply_rope(q, pos_RT, cfg)
+        k = apply_rope(k, pos_RT, cfg)
+        kv, a = access.update(kv, li, q, k, v, pos_RT)
+        # (x + attn) + mlp, in the reference's order: it matters for bf16 rounding.
+        x = x + dense(a.reshape(r, t, nh * hd), p["proj"])
+        if kind == "moe":
+            m, rt = moe.moe_mlp(p["moe"], h, cfg.moe.experts_per_token, with_routes=True,
+                                grouped=grouped, tp=tp)
+            routes.append(rt)
+        else:
+            m = mlp(h, p, dense)
+        x = x + m
+    if routes:
+        routes = tuple(jnp.stack(xs) for xs in zip(*routes))
+    return x, kv, routes or None
+
+
+def logits(pt, hidden_RD, dense=linear, tp=None):
+    """post_ln + lm_head, float32 logits (rounded through the model dtype first, as the
+    reference's bf16 logits are).  `dense`, `tp`: as in `forward`."""
+    if tp is not None:
+        dense = tp.dense(dense)
+    x = layer_norm(hidden_RD, pt["post_ln"])
+    return dense(x, pt["lm_head"]).astype(F32)
+
+
+def embed_tokens(pt, ids):
+    return pt["wte"][ids]
+
+
+def embed_rows(pt, ids_R):
+    """[R, D]: `embed_tokens` of one token per row (a decode step), as R one-row slices of
+    the table.  Same values; but XLA's cost analysis charges a gather of more than one row
+    the whole [V, D] table (67 MB at the small config, 210 MB for Moondream 2 in float32)
+    while a slice is charged its row, so the step's bytes-accessed figure stays what the
+    step reads.  (When it runs, either form reads only its rows.)"""
+    w = pt["wte"]
+    return jnp.concatenate([jax.lax.dynamic_slice_in_dim(w, ids_R[i], 1)
+                            for i in range(ids_R.shape[0])])
+
+
+def input_embeddings(params, kind, token, value, *, cfg: MoondreamConfig, rows: bool = False):
+    """[..., D] embeddings of inputs: a token, a coordinate, or a (w, h) size each (any
+    leading shape: decode rows, or prompt positions with spatial refs).  `rows`: one token
+    per row, [R] (a decode step: `embed_rows`)."""
+    dt = jnp_dtype(cfg.dtype)
+    embed = embed_rows if rows else embed_tokens
+    tok = embed(params["text"], token).astype(dt)
+    coord = region.encode_coordinate(params["region"], value[..., 0], dt)
+    size = region.encode_size(params["region"], value, dt)
+    k = kind[..., None]
+    return jnp.where(k == KIND_COORD, coord, jnp.where(k == KIND_SIZE, size, tok))
+
+
+def image_prefix(params, img_emb_ZD, *, cfg: MoondreamConfig):
+    """[1, 1 + Z, D]: BOS embedding then the image embeddings."""
+    bos = embed_tokens(params["text"], jnp.array([cfg.tokenizer.bos_id]))
+    return jnp.concatenate([bos.astype(img_emb_ZD.dtype), img_emb_ZD], axis=0)[None]
+
+
+def image_kv(params, crops_u8, src, ph, pw, *, cfg: MoondreamConfig, grouped="blocks",
+             vision_loop=False, tp=None):
+    """An image's prefix KV ([L, 730, K, H] each): encode, project, and prefill BOS + image
+    tokens (bidirectional) in a one-row cache of exactly the prefix length."""
+    n = cfg.prefix_len
+    _, emb = vision.encode_image(params, crops_u8, src, ph, pw, cfg=cfg, vision_loop=vision_loop)
+    cache = init_cache(cfg, rows=1, length=n)
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    zero, full = jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32)
+    _, cache, _ = forward(params["text"], cfg.text, image_prefix(params, emb, cfg=cfg),
+                          pos, cache, DenseAccess(zero, full, n), grouped, tp=tp)
+    return cache.k[:, 0], cache.v[:, 0]
+
+
+def prefill(params, cache, embeds_RTD, pos_RT, rows_R, prefix_R, last_R, kv_len, *,
+            cfg: MoondreamConfig, with_routes=False, grouped="blocks"):
+    """Dense-cache prefill (the one-request path) -> (cache, hidden, last hidden, logits).
+    `with_routes` (parity traces): also the MoE routing at each row's last position,
+    (ids, weights) each [Lm, R, k]."""
+    hidden, cache, routes = forward(params["text"], cfg.text, embeds_RTD, pos_RT, cache,
+                                    DenseAccess(rows_R, prefix_R, kv_len), grouped)
+    last = jnp.take_along_axis(hidden, last_R[:, None, None], axis=1)[:, 0]
+    out = (cache, hidden, last, logits(params["text"], last))
+    if not with_routes:
+        return out
+    at_last = jax.tree.map(lambda a: jnp.take_along_axis(a, last_R[None, :, None, None],
+                                                         axis=2)[:, :, 0], routes)
+    return (*out, at_last)
+
+
+def decode(params, cache, kind_R, token_R, value_R2, pos_R, rows_R, prefix_R, kv_len, *,
+           cfg: MoondreamConfig, with_routes=False, grouped="blocks"):
+    """Dense-cache decode of one input per row (the one-request path) -> (cache, hidden,
+    logits).  `with_routes` (parity traces): also the MoE routing, (ids, weights) each
+    [Lm, R, k]."""
+    x = input_embeddings(params, kind_R, token_R, value_R2, cfg=cfg)[:, None]
+    hidden, cache, routes = forward(params["text"], cfg.text, x, pos_R[:, None], cache,
+                                    DenseAccess(rows_R, prefix_R, kv_len), grouped)
+    h = hidden[:, 0]
+    out = (cache, h, logits(params["text"], h))
+    if not with_routes:
+        return out
+    return (*out, jax.tree.map(lambda a: a[:, :, 0], routes))
+
+
+def write_prefix(cache: KVCache, k_LTKH, v_LTKH, row) -> KVCache:
+    """An image prefix into row `row` of a dense cache (the one-request path)."""
+    n = k_LTKH.shape[1]
+    return KVCache(cache.k.at[:, row, :n].set(k_LTKH), cache.v.at[:, row, :n].set(v_LTKH))
