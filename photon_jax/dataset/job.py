@@ -1,16 +1,10 @@
-"""`photon-caption` (also `python -m photon_jax.cli.caption`): caption, or ask one question about,
-every image of a dataset, into sidecar `.txt` files and/or one JSONL file.
+"""A `photon-caption` run: every image of a dataset through one engine per device (or per
+group of devices), into the outputs `files` names.
 
-Owns: finding the images (directories, globs, list files), where each output goes (a sidecar
-next to the image or under `--output-dir`, mirroring the input tree), what counts as done on
-a re-run, crash-safe writes, the window of requests kept in flight on each engine (one engine
-per device, images dealt round-robin), progress, the failure summary and the exit code.
-
-Crash safety: a sidecar is written to a temporary file and renamed over (so it exists whole
-or not at all); the JSONL record is then appended with one `write` of one line.  A kill can
-only tear the last JSONL line; the next run cuts it off before appending.  An image whose
-sidecar exists but whose JSONL record was lost that way is captioned again, so the two
-outputs always agree and every image has exactly one successful JSONL record.
+Owns: the engines' load, the window of requests kept in flight on each engine (images dealt
+round-robin), the record of each finished image, progress, interrupts, the failure summary
+and the exit code (`Summary`).  The inputs and outputs are `files`'; the command line is
+`photon_jax.cli.caption`.
 
 Image decoding and cropping run on the engine's worker threads while the device decodes; the
 window (twice the batch size per engine) keeps prepared images queued so rows never wait.
@@ -18,11 +12,8 @@ window (twice the batch size per engine) keeps prepared images queued so rows ne
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
-import glob
-import json
 import os
 import queue
 import signal
@@ -30,202 +21,12 @@ import sys
 import threading
 import time
 
-IMAGE_EXTS = frozenset(
-    ".jpg .jpeg .jpe .jfif .png .apng .webp .bmp .dib .gif .tif .tiff .ppm .pgm .pbm .pnm "
-    ".tga .ico .avif".split())
-LIST_EXTS = frozenset((".txt", ".lst", ".list"))
+from .files import (Item, Jsonl, UsageError, check_collisions, discover, is_done, sidecar_path,
+                    write_atomic)
+
 SHOW_FAILURES = 20   # the end-of-run summary lists this many failures (all go to the JSONL)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-
-
-class UsageError(Exception):
-    """Bad command line or inputs: reported before any model is loaded (exit code 2)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Item:
-    """One input image: where it was found, its resume key, and the input root."""
-    path: str   # as found (relative inputs stay relative); the JSONL's "path"
-    key: str    # absolute, normalised: the identity used to resume
-    root: str   # the input it came from; --output-dir mirrors paths relative to it
-
-
-# -- inputs -------------------------------------------------------------------------------
-
-def is_image_name(name: str) -> bool:
-    """-> True for a file name with an image extension (IMAGE_EXTS, any case)."""
-    return os.path.splitext(name)[1].lower() in IMAGE_EXTS
-
-
-def discover(inputs: list[str], recursive: bool = False, warn=print) -> list[Item]:
-    """Expand inputs into images, in a stable order, each once.  A directory gives its image
-    files (hidden ones skipped: `._x.jpg` resource forks are not images), a glob the image
-    files it matches (`**` crosses directories), a file with an image extension itself, and
-    a `.txt`/`.lst`/`.list` file its lines (one path each, relative to the list's folder;
-    blank lines and `#` comments skipped; missing files fail one by one later)."""
-    items: list[Item] = []
-    seen: set[str] = set()
-
-    def add(path: str, root: str) -> None:
-        key = os.path.abspath(path)
-        if key not in seen:
-            seen.add(key)
-            items.append(Item(path, key, root))
-
-    for arg in inputs:
-        before = len(items)
-        if os.path.isdir(arg):
-            for path in _scan(arg, recursive):
-                add(path, arg)
-        elif any(c in arg for c in "*?["):
-            root = _glob_root(arg)
-            for path in sorted(glob.glob(arg, recursive=True)):
-                if os.path.isfile(path) and is_image_name(path):
-                    add(path, root)
-        elif os.path.isfile(arg):
-            ext = os.path.splitext(arg)[1].lower()
-            if ext in IMAGE_EXTS:
-                add(arg, os.path.dirname(arg) or ".")
-            elif ext in LIST_EXTS:
-                base = os.path.dirname(arg) or "."
-                for path in _read_list(arg):
-                    add(os.path.join(base, path), base)
-            else:
-                raise UsageError(
-                    f"input {arg!r} is neither an image ({', '.join(sorted(IMAGE_EXTS))}) nor "
-                    "a list file (.txt/.lst/.list with one image path per line)")
-        else:
-            raise UsageError(f"input {arg!r} does not exist; give directories, globs (quote "
-                             "them), image files or list files")
-        if len(items) == before:
-            warn(f"photon-caption: input {arg!r} has no images")
-    return items
-
-
-def _scan(folder: str, recursive: bool):
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")) if recursive else []
-        for name in sorted(filenames):
-            if not name.startswith(".") and is_image_name(name):
-                yield os.path.join(dirpath, name)
-
-
-def _glob_root(pattern: str) -> str:
-    """The folder part of a glob before its first wildcard."""
-    parts = pattern.split(os.sep)
-    fixed = []
-    for p in parts[:-1]:
-        if any(c in p for c in "*?["):
-            break
-        fixed.append(p)
-    return os.sep.join(fixed) or ("/" if pattern.startswith(os.sep) else ".")
-
-
-def _read_list(path: str) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        return [s.strip() for s in f if s.strip() and not s.lstrip().startswith("#")]
-
-
-def sidecar_path(item: Item, output_dir: str | None, ext: str = ".txt") -> str:
-    """`photo.jpg` -> `photo.txt` beside it, or under output_dir at the image's path relative
-    to its input (an image outside that input goes to the top of output_dir)."""
-    stem = os.path.splitext(item.path)[0]
-    if output_dir is None:
-        return stem + ext
-    rel = os.path.relpath(os.path.splitext(item.key)[0], os.path.abspath(item.root))
-    if rel.startswith(os.pardir):
-        rel = os.path.basename(stem)
-    return os.path.join(output_dir, rel + ext)
-
-
-def check_collisions(items: list[Item], sidecars: list[str]) -> None:
-    """Raise UsageError if two images would write the same sidecar file."""
-    owner: dict[str, str] = {}
-    clashes = []
-    for it, sc in zip(items, sidecars):
-        k = os.path.abspath(sc)
-        if k in owner:
-            clashes.append(f"{owner[k]!r} and {it.path!r} -> {sc!r}")
-        owner.setdefault(k, it.path)
-    if clashes:
-        raise UsageError(
-            f"{len(clashes)} pair(s) of images would share a sidecar (same name, other "
-            f"extension), e.g. {clashes[0]}; rename them, or use --no-sidecar with --jsonl")
-
-
-# -- outputs ------------------------------------------------------------------------------
-
-def write_atomic(path: str, text: str) -> None:
-    """The file holds the old content or the new, never a part: write a temporary file in
-    the same folder, flush it to disk, rename it over."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".photon-tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-class Jsonl:
-    """The JSONL output: read back for resume (torn last line repaired), appended one line
-    per image with a single `write` (O_APPEND), so a kill tears at most that line."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.fd: int | None = None
-
-    def load(self, warn=print) -> set[str]:
-        """The images (absolute paths) with a successful record.  Cuts off a torn last line
-        (no newline at the end) so the next append starts on a line of its own."""
-        ok: set[str] = set()
-        if not os.path.exists(self.path):
-            return ok
-        with open(self.path, "rb") as f:
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        if end < len(data):
-            warn(f"photon-caption: {self.path}: dropping a torn last line "
-                 f"({len(data) - end} bytes) left by an interrupted run")
-            os.truncate(self.path, end)
-        for n, line in enumerate(data[:end].splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                if rec.get("error") is None:
-                    ok.add(os.path.abspath(rec["path"]))
-            except (ValueError, KeyError, TypeError):
-                warn(f"photon-caption: {self.path}:{n}: not a record, ignored")
-        return ok
-
-    def drop(self, keys: set[str]) -> None:
-        """Remove the records of these images (for --overwrite), by rewriting atomically."""
-        if not os.path.exists(self.path):
-            return
-        with open(self.path, encoding="utf-8") as f:
-            keep = [ln for ln in f if not _record_of(ln, keys)]
-        write_atomic(self.path, "".join(keep))
-
-    def append(self, record: dict) -> None:
-        if self.fd is None:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.write(self.fd, (json.dumps(record, ensure_ascii=False) + "\n").encode())
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.fsync(self.fd)
-            os.close(self.fd)
-            self.fd = None
-
-
-def _record_of(line: str, keys: set[str]) -> bool:
-    try:
-        return os.path.abspath(json.loads(line)["path"]) in keys
-    except (ValueError, KeyError, TypeError):
-        return False
 
 
 def outcome(handle, prepend: str = "", append: str = "") -> dict:
@@ -416,16 +217,12 @@ class Run:
             log(f"photon-caption: failed: {it.path}: {out['error']}")
 
 
-def run(args) -> Summary:
-    """Caption every input of the parsed command line -> the run's Summary (counts, times,
-    images/s).  Raises UsageError for bad arguments or inputs before loading a model."""
+def run(args, engine_options: dict) -> Summary:
+    """Caption every input of the parsed command line (`photon_jax.cli.caption`'s flags) on
+    engines loaded with `engine_options` (`Moondream.load`'s keywords; the model, devices
+    and tensor parallelism come from `args`) -> the run's Summary (counts, times, images/s).
+    Raises UsageError for bad arguments or inputs before loading a model."""
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    if args.batch_size < 1:
-        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
-    for flag in ("kv_cache_tokens", "max_context"):
-        v = getattr(args, flag)
-        if v is not None and v < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
     if args.no_sidecar and not args.jsonl:
         raise UsageError("--no-sidecar needs --jsonl FILE, or nothing would be written")
     if args.no_sidecar and args.output_dir:
@@ -447,7 +244,7 @@ def run(args) -> Summary:
         if jsonl:
             jsonl.drop({it.key for it in items})
     else:
-        todo = [it for it in items if not _done(it, sidecars[it.key], jsonl, recorded)]
+        todo = [it for it in items if not is_done(it, sidecars[it.key], jsonl, recorded)]
         redo = sum(1 for it in todo if sidecars[it.key] and os.path.exists(sidecars[it.key]))
         if redo:
             log(f"photon-caption: {redo} image(s) have a sidecar but no JSONL record (an "
@@ -457,9 +254,7 @@ def run(args) -> Summary:
         log(f"photon-caption: all {len(items)} images are done (use --overwrite to redo)")
         return Summary(skipped=skipped)
 
-    from ..model import sharding
-    from ..api import Moondream
-    from ..engine.request import EngineError
+    from ..api import EngineError, Moondream, make_mesh
 
     model_dir = resolve_model(args, log)
     devices = parse_devices(args.devices)
@@ -471,15 +266,8 @@ def run(args) -> Summary:
     try:
         for g in groups:
             where = ({"device": g[0]} if len(g) == 1 else
-                     {"mesh": sharding.make_mesh(len(g), devices=g)})
-            models.append(Moondream.load(model_dir, dtype=args.dtype, **where,
-                                         max_batch_size=args.batch_size,
-                                         max_context=args.max_context,
-                                         kv_cache_tokens=args.kv_cache_tokens,
-                                         prefix_cache=not args.no_prefix_cache,
-                                         compile_cache=not args.no_compile_cache,
-                                         warmup=args.warmup, workers=args.workers,
-                                         kv_dtype=args.kv_dtype))
+                     {"mesh": make_mesh(len(g), devices=g)})
+            models.append(Moondream.load(model_dir, **where, **engine_options))
         load_s = time.perf_counter() - t_load
         log(f"photon-caption: {len(todo)} image(s) to do, {skipped} already done; model "
             f"loaded on {len(devices)} device(s) in {load_s:.1f} s"
@@ -516,125 +304,6 @@ def run(args) -> Summary:
     return out
 
 
-def _done(it: Item, sidecar: str | None, jsonl, recorded: set[str]) -> bool:
-    ok = it.key in recorded
-    if sidecar is None:
-        return ok
-    return os.path.exists(sidecar) and (jsonl is None or ok)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """-> photon-caption's argument parser."""
-    ap = argparse.ArgumentParser(
-        prog="photon-caption",
-        description="Caption (or ask one question about) every image of a dataset with a "
-                    "Moondream model (a photon-convert directory, a Hugging Face snapshot or "
-                    "a hub id).  Re-running skips "
-                    "images already done, so an interrupted run is finished by running it "
-                    "again.  Exit code: 0 all done, 1 some images failed (or a device error "
-                    "stopped the run), 2 bad arguments or model, "
-                    "130 interrupted.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("inputs", nargs="+", metavar="INPUT",
-                    help="directories, globs (quoted; ** recurses), image files, or list "
-                         "files (.txt/.lst/.list: one path per line, relative to the list)")
-    ap.add_argument("--model", required=True, metavar="MODEL",
-                    help="a checkpoint directory written by photon-convert, a Hugging Face "
-                         "snapshot directory, or a hub id such as vikhyatk/moondream2 (a "
-                         "snapshot is converted once into $PHOTON_JAX_CACHE, default "
-                         "~/.cache/photon_jax/checkpoints)")
-    ap.add_argument("--revision", default=None,
-                    help="with a hub id: the branch, tag or commit, e.g. 2025-06-21")
-    ap.add_argument("--recursive", "-r", action="store_true",
-                    help="descend into subdirectories of directory inputs")
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--length", default="normal", choices=["short", "normal", "long"],
-                      help="caption length")
-    mode.add_argument("--prompt", default=None,
-                      help="ask this question about each image instead of captioning "
-                           "(query mode; the JSONL records gain 'prompt')")
-    ap.add_argument("--max-tokens", type=int, default=768, help="tokens per image at most")
-    ap.add_argument("--temperature", type=float, default=0.0,
-                    help="0 = greedy: the same caption on every run")
-    ap.add_argument("--top-p", type=float, default=0.3, help="nucleus size when temperature > 0")
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    ap.add_argument("--repeat-stop", type=int, default=None, metavar="K",
-                    help="end a caption whose tail repeats one phrase K times (off if unset)")
-    ap.add_argument("--batch-size", type=int, default=32,
-                    help="requests decoded together on each device")
-    ap.add_argument("--prepend", default="", help="text put before every caption")
-    ap.add_argument("--append", default="", help="text put after every caption")
-    ap.add_argument("--no-sidecar", action="store_true",
-                    help="write no .txt files (needs --jsonl; resume then reads the JSONL)")
-    ap.add_argument("--output-dir", default=None,
-                    help="put sidecars here, mirroring each input's tree, instead of next to "
-                         "the images")
-    ap.add_argument("--jsonl", default=None, metavar="FILE",
-                    help="append one JSON line per image: path, caption (null on failure), "
-                         "finish_reason, output_tokens, error")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="redo images already done (their old JSONL records are removed)")
-    ap.add_argument("--devices", default="0",
-                    help="'all' (one engine per local device, images dealt round-robin) or "
-                         "device indices such as 0 or 0,1")
-    ap.add_argument("--tensor-parallel", type=int, default=1, metavar="K",
-                    help="split one model over K devices (tensor parallel: weights by "
-                         "columns, the KV cache by heads; same captions as one device); with "
-                         "--devices all, one engine per group of K devices")
-    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
-                    help="compute dtype (default: the checkpoint's on an accelerator, float32 "
-                         "on CPU, where XLA runs bfloat16 slower)")
-    ap.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
-                    help="positions of the paged KV pool shared by every request (default: "
-                         "most of the free device memory on an accelerator; room for "
-                         "--batch-size full-context sequences on CPU)")
-    ap.add_argument("--kv-dtype", default=None, choices=["int8", "float8_e4m3fn"],
-                    help="store the KV cache as 8-bit codes with per-position scales: about "
-                         "half a bfloat16 cache's bytes, so ~1.9x the tokens in the same "
-                         "memory, at a small cost in fidelity (default: the model's dtype)")
-    ap.add_argument("--max-context", type=int, default=None, metavar="N",
-                    help="the longest sequence (image + prompt + caption) a request may "
-                         "reach (default: the model's); it reserves no memory")
-    ap.add_argument("--no-compile-cache", action="store_true",
-                    help="do not use JAX's persistent compilation cache (default: on, in "
-                         "$JAX_COMPILATION_CACHE_DIR or ~/.cache/photon_jax/xla)")
-    ap.add_argument("--warmup", action="store_true",
-                    help="compile every decode shape, the sampling variants, the common "
-                         "prefill shapes and common photo layouts before the first image "
-                         "(steady speed from the start; with a warm compile cache it is "
-                         "cheap)")
-    ap.add_argument("--no-prefix-cache", action="store_true",
-                    help="do not keep image prefixes for reuse (only helps when images repeat, "
-                         "e.g. several --prompt runs over the same folder)")
-    ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                    help="threads decoding and cropping images, per device")
-    ap.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    return ap
-
-
-def main(argv=None) -> int:
-    """photon-caption's entry point -> the exit code (0 done, 1 some images failed, 2 bad
-    usage or model, 130 interrupted)."""
-    args = build_parser().parse_intermixed_args(argv)
-    # SIGTERM (a plain `kill`, a scheduler's preemption) stops like Ctrl-C: completed images
-    # are written, the run says what is left.
-    old = None
-    if threading.current_thread() is threading.main_thread():
-        old = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        return run(args).exit_code
-    except UsageError as e:
-        print(f"photon-caption: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
-
-
-def _raise_interrupt(_signum, _frame):
-    raise KeyboardInterrupt
-
-
 class _StopOnSignal:
     """While captioning, Ctrl-C and SIGTERM only raise a flag and wake the loop (a None on
     its queue), so the loop stops between two whole pieces of bookkeeping.  Raising
@@ -662,7 +331,3 @@ class _StopOnSignal:
         for sig, h in self.old.items():
             signal.signal(sig, h)
         return False
-
-
-if __name__ == "__main__":
-    sys.exit(main())

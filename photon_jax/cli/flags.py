@@ -1,0 +1,77 @@
+"""The flags that load a model and size its engine, defined once for every command that
+runs one (`photon-caption`, `photon-serve`): their names, help and checks, and the
+`Moondream.load` keywords they become.  The defaults that differ between the commands are
+arguments of `add_engine_flags`; the device flags differ in kind (`--devices` deals images
+over many engines, `--device` picks the server's one) and stay with each command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_engine_flags(ap: argparse.ArgumentParser, *, warmup: bool,
+                     tensor_parallel: int | None, batch_help: str,
+                     workers_help: str) -> None:
+    """Add the model and engine flags to `ap`.  `warmup`: whether compiling before the
+    first request is the default (`--warmup` / `--no-warmup` either way);
+    `tensor_parallel`: --tensor-parallel's default."""
+    g = ap.add_argument_group("model and engine")
+    g.add_argument("--model", required=True, metavar="MODEL",
+                   help="a checkpoint directory written by photon-convert, a Hugging Face "
+                        "snapshot directory, or a hub id such as vikhyatk/moondream2 (a "
+                        "snapshot is converted once into $PHOTON_JAX_CACHE, default "
+                        "~/.cache/photon_jax/checkpoints)")
+    g.add_argument("--revision", default=None,
+                   help="with a hub id: the branch, tag or commit, e.g. 2025-06-21")
+    g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="compute dtype (default: the checkpoint's on an accelerator, float32 "
+                        "on CPU, where XLA runs bfloat16 slower)")
+    g.add_argument("--batch-size", type=int, default=32, help=batch_help)
+    g.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="the longest sequence (image + prompt + answer) a request may reach "
+                        "(default: the model's); it reserves no memory")
+    g.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
+                   help="positions of the paged KV pool shared by every request (default: "
+                        "most of the free device memory on an accelerator; room for "
+                        "--batch-size full-context sequences on CPU)")
+    g.add_argument("--kv-dtype", default=None, choices=["int8", "float8_e4m3fn"],
+                   help="store the KV cache as 8-bit codes with per-position scales: about "
+                        "half a bfloat16 cache's bytes, so ~1.9x the tokens in the same "
+                        "memory, at a small cost in fidelity (default: the model's dtype)")
+    g.add_argument("--tensor-parallel", type=int, default=tensor_parallel, metavar="K",
+                   help="split one model over K devices (tensor parallel: weights by "
+                        "columns, the KV cache by heads; the same answers as one device)")
+    g.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help=workers_help)
+    g.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep image prefixes for reuse (helps when images repeat: several "
+                        "questions about one image)")
+    g.add_argument("--compile-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="use JAX's persistent compilation cache ($JAX_COMPILATION_CACHE_DIR "
+                        "or ~/.cache/photon_jax/xla)")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=warmup,
+                   help="compile every decode shape, the sampling variants and the common "
+                        "prefill shapes before the first request (steady speed from the "
+                        "start; cheap with a warm compile cache)")
+
+
+def engine_flag_error(args: argparse.Namespace) -> str | None:
+    """The first engine flag whose value cannot work, as a message naming it; None if all
+    can."""
+    for flag, v in (("--batch-size", args.batch_size), ("--workers", args.workers),
+                    ("--tensor-parallel", args.tensor_parallel),
+                    ("--kv-cache-tokens", args.kv_cache_tokens),
+                    ("--max-context", args.max_context)):
+        if v is not None and v < 1:
+            return f"{flag} must be >= 1, got {v}"
+    return None
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The `Moondream.load` keywords the engine flags give (the model, its revision and the
+    devices are each command's)."""
+    return dict(dtype=args.dtype, max_batch_size=args.batch_size,
+                max_context=args.max_context, kv_cache_tokens=args.kv_cache_tokens,
+                kv_dtype=args.kv_dtype, prefix_cache=args.prefix_cache,
+                compile_cache=args.compile_cache, warmup=args.warmup, workers=args.workers)
