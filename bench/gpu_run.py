@@ -176,9 +176,10 @@ def step_engine(smoke: bool, work: str) -> None:
         models = (Model.load(md2, device=dev),
                   None if md3 is None else biased_model(md3, MD3_BIASES, device=dev))
         for pipelined in (True, False):
-            # A pool for the run, not most of an accelerator's memory.
-            runs[(dev.platform, pipelined)] = run_surfaces(models, pipelined,
-                                                           kv_cache_tokens=16384)
+            # A pool for the run, not most of an accelerator's memory (the smoke run on CPU:
+            # the default pool, whose programs the test suite's surface runs share).
+            runs[(dev.platform, pipelined)] = run_surfaces(
+                models, pipelined, kv_cache_tokens=None if smoke else 16384)
         emit(step="engine", device=str(dev), seconds=round(time.perf_counter() - t0, 1))
     plat = main.platform
     ref = runs[("cpu", True)]

@@ -1,15 +1,16 @@
 """Run in its own process by tests/test_mesh.py (JAX's CPU device count is fixed when JAX
 starts): every public surface on one device and on a mesh of CPU devices, printed as one
-JSON object per case for the test to compare.
+JSON object, one entry per case, for the test to compare.  The cases of one device count
+share a process: its converted fixtures, and the programs they have in common.
 
-usage: python tests/mesh_check.py DEVICES CASE
+usage: python tests/mesh_check.py DEVICES CASE[,CASE...]
 """
 
 import json
 import os
 import sys
 
-DEVICES, CASE = int(sys.argv[1]), sys.argv[2]
+DEVICES, CASES = int(sys.argv[1]), sys.argv[2].split(",")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={DEVICES}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -129,8 +130,15 @@ def main() -> None:
     global MD2, MD3
     tmp = tempfile.mkdtemp(prefix="photon-mesh-")
     MD2, MD3 = converted(HF2, os.path.join(tmp, "md2")), converted(HF3, os.path.join(tmp, "md3"))
+    result = {}
+    for case in CASES:
+        result[case] = run_case(case)
+    print("MESH-RESULT " + json.dumps(result, sort_keys=True, default=str))
+
+
+def run_case(case: str) -> dict:
     out = {}
-    if CASE == "fixtures":
+    if case == "fixtures":
         # The fixture models (one kv head: the pool stays whole on each chip; the linear
         # layers and Moondream 3's experts are split), both loops.
         md2 = helpers.biased_model(MD2, {0: 0.8})
@@ -139,7 +147,7 @@ def main() -> None:
         meshed = [on_mesh(md2), on_mesh(md3)]
         out["layout"] = [layout(m) for m in meshed]
         out["mesh_pipelined"] = helpers.run_surfaces(meshed, pipelined=True)
-    elif CASE == "heads":
+    elif case == "heads":
         # Heads that divide over the mesh: the pool and the attention split by kv heads.
         base2, base3 = Model.load(MD2), Model.load(MD3)
         md2 = with_heads(base2, DEVICES, DEVICES, 11)
@@ -148,12 +156,13 @@ def main() -> None:
         meshed = [on_mesh(md2), on_mesh(md3)]
         out["layout"] = [layout(m) for m in meshed]
         out["collectives"] = [collectives(m, 8) for m in meshed]
-        out["mesh_pipelined"] = helpers.run_surfaces(meshed, pipelined=True)
         # A pool too small for every request at once (waiting, prefix-cache eviction),
-        # blocking: results equal "one" all the same.
-        out["mesh_small_pool"] = helpers.run_surfaces(meshed, pipelined=False,
-                                                      kv_cache_tokens=2048)
-    elif CASE == "variants":
+        # pipelined and blocking (the same programs): results equal "one" all the same.
+        out["mesh_pipelined"] = helpers.run_surfaces(meshed, pipelined=True,
+                                                     kv_cache_tokens=2048)
+        out["mesh_blocking"] = helpers.run_surfaces(meshed, pipelined=False,
+                                                    kv_cache_tokens=2048)
+    elif case == "variants":
         # GQA (2 query heads per kv head), the XLA sweep and an 8-bit pool, on the mesh.
         md2 = with_heads(Model.load(MD2), 2 * DEVICES, DEVICES, 13)
         for name, kw, ekw in (("gqa", {}, {}), ("xla", {"attention": "xla"}, {}),
@@ -161,7 +170,7 @@ def main() -> None:
             res = []
             for m in (Model(md2.cfg, md2.params, md2.prompts.tok, **kw),
                       Model(md2.cfg, md2.params, md2.prompts.tok, mesh=MESH, **kw)):
-                md = Moondream(m, Engine(m, max_batch_size=4, **ekw))
+                md = Moondream(m, Engine(m, max_batch_size=2, **ekw))
                 try:
                     res.append([md.caption(LAND, "short", settings=GREEDY),
                                 md.query(SQ, "w5 w6", settings=GREEDY),
@@ -170,7 +179,7 @@ def main() -> None:
                     md.engine.close()   # (Moondream.close would free the shared weights)
             out[name] = res
         out["moe"] = moe_split()
-    elif CASE == "tpu":
+    elif case == "tpu":
         # The TPU kernel (under the Pallas interpreter) over its packed pool, split by kv
         # heads: 2 heads per pool row, 2 rows per chip.
         # An int8 pool too: its scales [rows, P, 2B] split with the codes.
@@ -180,7 +189,7 @@ def main() -> None:
             for m in (Model(md2.cfg, md2.params, md2.prompts.tok, attention="xla"),
                       Model(md2.cfg, md2.params, md2.prompts.tok, mesh=MESH,
                             attention="pallas-tpu-interpret")):
-                md = Moondream(m, Engine(m, max_batch_size=4, kv_dtype=kv))
+                md = Moondream(m, Engine(m, max_batch_size=2, kv_dtype=kv))
                 try:
                     pool = md.engine.dev.pool
                     arrays = [pool.k[0][0]] + ([pool.ks[0][0]] if kv else [])
@@ -193,7 +202,7 @@ def main() -> None:
                     md.engine.close()
         out["tpu"] = res
         out["tpu_pool"] = shapes
-    elif CASE == "load":
+    elif case == "load":
         # The documented call: Moondream.load(path, mesh=...) and tensor_parallel=.
         res = []
         for kw in ({}, {"mesh": MESH}, {"tensor_parallel": DEVICES}):
@@ -204,7 +213,9 @@ def main() -> None:
             finally:
                 md.close()
         out["load"] = res
-    print("MESH-RESULT " + json.dumps(out, sort_keys=True, default=str))
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+    return out
 
 
 if __name__ == "__main__":

@@ -151,9 +151,13 @@ def test_pipeline_bench_times_kv_formats_in_turns():
 
 
 def test_caption_bench_smoke():
+    # The cold passes read the session's compile cache (`--compile-cache`, as
+    # bench/gpu_run.py's caption step does); `--processes`' fresh_cache pass still compiles
+    # from an empty cache of its own.
     rows = run("caption.py", "--config", "tiny", "--images", "3", "--batch", "2",
                "--max-tokens", "3", "--ckpt-dtype", "float32", "--processes",
-               "--kv-dtype", "model", "int8")
+               "--kv-dtype", "model", "int8",
+               "--compile-cache", os.environ["JAX_COMPILATION_CACHE_DIR"])
     assert [(r["kv_dtype"], r["pass"]) for r in rows] == [
         (kv, p) for kv in ("model", "int8") for p in ("cold", "warm", "fresh_cache",
                                                       "warm_cache")]

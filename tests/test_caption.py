@@ -532,3 +532,35 @@ def test_moondream3_checkpoint_through_the_cli(md3_ckpt, tmp_path):
         want = {p: m3.caption(p, settings=SETTINGS)["caption"] for p in paths}
     recs = read_jsonl(jl)
     assert {r["path"]: r["caption"] for r in recs} == want
+
+
+def test_photon_caption_and_photon_serve_share_one_set_of_engine_flags():
+    """`cli/flags.add_engine_flags` defines the engine flags once: both commands have the
+    same ones, with the defaults that differ passed in (photon-serve warms up, tensor
+    parallelism is off in two ways), both take every spelling they took before, and both
+    map them to the same `Moondream.load` keywords."""
+    from photon_jax.cli import flags, serve
+
+    cap, srv = build_parser(), serve.build_parser()
+    engine = {"--model", "--revision", "--dtype", "--batch-size", "--max-context",
+              "--kv-cache-tokens", "--kv-dtype", "--tensor-parallel", "--workers",
+              "--prefix-cache", "--no-prefix-cache", "--compile-cache", "--no-compile-cache",
+              "--warmup", "--no-warmup"}
+    for ap in (cap, srv):
+        assert engine <= {o for a in ap._actions for o in a.option_strings}
+    c = cap.parse_intermixed_args(["img.png", "--model", "m"])
+    s = srv.parse_args(["--model", "m"])
+    assert (c.warmup, s.warmup) == (False, True)
+    assert (c.tensor_parallel, s.tensor_parallel) == (1, None)
+    old = ["--no-prefix-cache", "--no-compile-cache", "--kv-dtype", "int8", "--batch-size", "3"]
+    c = cap.parse_intermixed_args(["img.png", "--model", "m", "--warmup", *old])
+    s = srv.parse_args(["--model", "m", "--no-warmup", *old])
+    assert flags.engine_options(c) == {**flags.engine_options(s), "warmup": True}
+    assert flags.engine_options(s) == dict(
+        dtype=None, max_batch_size=3, max_context=None, kv_cache_tokens=None,
+        kv_dtype="int8", prefix_cache=False, compile_cache=False, warmup=False,
+        workers=s.workers)
+    for argv, flag in ((["--workers", "0"], "--workers"), (["--batch-size", "0"], "--batch-size"),
+                       (["--tensor-parallel", "0"], "--tensor-parallel")):
+        assert flag in flags.engine_flag_error(srv.parse_args(["--model", "m", *argv]))
+        assert main(["img.png", "--model", "m", *argv]) == 2
