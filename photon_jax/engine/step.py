@@ -29,6 +29,7 @@ region steps and rows of different kinds can share a step.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Callable
@@ -452,15 +453,29 @@ def oracle_for(cfg: MoondreamConfig, platform: "str | Platform") -> OracleProgra
     return build_oracle(cfg, grouped=rec.grouped, vision_loop=rec.vision_loop)
 
 
+# Each loaded model's programs, kept as long as the model lives (`build`'s cache holds 16
+# configurations; a test session or a process serving many models meets more, and a model's
+# programs rebuilt after an eviction would be traced and compiled again).
+_MODEL_PROGRAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_MODEL_ORACLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def programs_of(model) -> EnginePrograms:
     """The engine's programs for a loaded `model.Model`: its config, platform record and
-    mesh layout (`build_for`; cached, so every engine on the model shares them)."""
-    return build_for(model.cfg, model.platform, tp=model.tp)
+    mesh layout (`build_for`), built once per model, so every engine on it shares them."""
+    progs = _MODEL_PROGRAMS.get(model)
+    if progs is None:
+        progs = _MODEL_PROGRAMS[model] = build_for(model.cfg, model.platform, tp=model.tp)
+    return progs
 
 
 def oracle_of(model) -> OraclePrograms:
-    """The one-request path's programs for a loaded `model.Model` (`oracle_for`)."""
-    return oracle_for(model.cfg, model.platform)
+    """The one-request path's programs for a loaded `model.Model` (`oracle_for`), built
+    once per model."""
+    progs = _MODEL_ORACLES.get(model)
+    if progs is None:
+        progs = _MODEL_ORACLES[model] = oracle_for(model.cfg, model.platform)
+    return progs
 
 
 @lru_cache(maxsize=16)
