@@ -109,7 +109,13 @@ def abstract_params(cfg: MoondreamConfig, dtype=None, sharding=None) -> dict:
 
 
 def init_params(key, cfg: MoondreamConfig, dtype=None) -> dict:
-    """Random params with roughly the reference's scales (for tests and benchmarks only)."""
+    """Random params with roughly the reference's scales (for tests and benchmarks only).
+
+    Each leaf is the first values of a flat draw whose size is rounded up to a power of two:
+    JAX's (partitionable) threefry gives value i from the key and i alone, so these are the
+    values a draw of the leaf's own shape gives, bit for bit, while one program per size
+    bucket compiles instead of one per shape (a config has some 40 shapes, and on a CPU each
+    compile of the normal sampler takes about half a second)."""
     dt = jnp_dtype(dtype or cfg.dtype)
     shapes = param_shapes(cfg)
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=_is_shape)
@@ -118,7 +124,11 @@ def init_params(key, cfg: MoondreamConfig, dtype=None) -> dict:
     keys = jax.random.split(key, len(leaves))
     out = []
     for k, shape, path in zip(keys, leaves, paths):
-        z = jax.random.normal(k, shape, jnp.float32)
+        n = int(np.prod(shape))
+        # Large leaves (benchmark configs) are drawn at their own size: no doubled draw.
+        size = n if n > _BUCKET_CAP else max(256, 1 << (n - 1).bit_length())
+        z = jax.random.normal(k, (size,), jnp.float32)
+        # The same elementwise ops, one eager op at a time, as on the leaf's own shape.
         if "ln" in path and path.endswith("['w']"):
             val = 1.0 + 0.1 * z
         elif path.endswith("['b']"):
@@ -129,8 +139,22 @@ def init_params(key, cfg: MoondreamConfig, dtype=None) -> dict:
             val = z / np.sqrt(shape[-2])
         else:  # embeddings
             val = 0.5 * z
-        out.append(val.astype(dt))
+        out.append(_leading(val.astype(dt), n, shape))
     return jax.tree.unflatten(treedef, out)
+
+
+_BUCKET_CAP = 1 << 22
+
+
+def _leading(flat, n: int, shape) -> jax.Array:
+    """The first `n` values of a flat array, shaped `shape`: cut on the host when the array
+    is concrete (a device slice would compile once per shape), by `lax` under a trace
+    (`jax.eval_shape(init_params)` gives the tree's shapes)."""
+    if isinstance(flat, jax.core.Tracer):
+        return flat[:n].reshape(shape)
+    if flat.shape == (n,) and len(shape) == 1:
+        return flat
+    return jax.device_put(np.asarray(flat)[:n].reshape(shape))
 
 
 def count_params(tree) -> int:
