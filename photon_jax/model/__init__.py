@@ -5,7 +5,7 @@ to hold one: its config, its checkpoint, its tokenizer, its layout over chips.
   object it is handed), `moe`, `region`, `sampling`;
 - its description and storage: `config`, `params`, `checkpoint`;
 - its inputs on the host: `pixels` (images to crops), `tokenizer` (prompts to ids);
-- where it runs: `platform` (which kernels and schedules a device gets), `sharding` (the
+- where it runs: `platforms` (which kernels and schedules a device gets), `sharding` (the
   split over a mesh), `loaded` (`Model`: config, params on a device or mesh, prompts).
 
 Nothing here knows a request, a page table or a scheduler: the engine pages the KV cache
