@@ -139,7 +139,10 @@ class Engine:
         self.sched = Scheduler(max_batch_size=max_batch_size, n_pages=self.arenas.n_pages,
                                page_size=page_size, prefix_len=cfg.prefix_len,
                                prefill_tokens=prefill_tokens, prefix_cache=prefix_cache,
-                               record_events=record_events, share_prefix=plat.shares_prefix)
+                               record_events=record_events, share_prefix=plat.shares_prefix,
+                               prefill_cost=lambda rows, longest: (
+                                   step_mod.prefill_row_bucket(rows, max_batch_size)
+                                   * step_mod.prompt_bucket(longest)))
         self.pipe = PipelineState()
         self.steps_log: collections.deque[StepTiming] = collections.deque(maxlen=log_steps)
         self.counters = collections.Counter()

@@ -118,15 +118,21 @@ class Scheduler:
     max_batch_size: the rows, numbered 1..max_batch_size (row 0 is the device's dummy row);
     a step takes at most that many.  n_pages: pages of the pool (page 0 is the dummy page).
     prefix_len: positions of an image prefix.  prefill_tokens: prompt positions one prefill
-    launch may take.  share_prefix: requests read the full pages of their image's
+    launch may take, counted twice over: the requests' positions (image prefix included),
+    and the positions the launch computes, padding included (`prefill_cost(rows, longest
+    prompt)`, the engine's bucketed shape; default rows x longest).  A request alone may
+    exceed it (it must run somehow; the engine refuses prompts beyond its context).
+    share_prefix: requests read the full pages of their image's
     cache entry in place (decode attention through page tables: the kernels); else they
     get copies (the XLA sweep gives each page one owner row)."""
 
     def __init__(self, *, max_batch_size: int, n_pages: int, page_size: int,
                  prefix_len: int, prefill_tokens: int, prefix_cache: bool = True,
-                 record_events: bool = False, share_prefix: bool = False):
+                 record_events: bool = False, share_prefix: bool = False,
+                 prefill_cost=None):
         self.max_batch_size, self.page_size = max_batch_size, page_size
         self.prefill_tokens = prefill_tokens
+        self.prefill_cost = prefill_cost or (lambda rows, longest: rows * longest)
         self.alloc = PageAllocator(n_pages)
         self.cache = PrefixCache(self.alloc, enabled=prefix_cache)
         self.prefix_pages = pages_for(prefix_len, page_size)
@@ -277,12 +283,17 @@ class Scheduler:
         behind it."""
         if not self.free_rows or (decode_waiting and self.last_kind == "prefill"):
             return []
-        batch, tokens, keep = [], 0, set()
+        batch, tokens, longest, keep = [], 0, 0, set()
         for s in list(self.waiting):
             if not self.resolve(s):
                 continue
+            # The padded shape counts as well as the real positions: one long prompt among
+            # short ones pads every row to its length (and the rows to their bucket), and
+            # the memory plan's workspace holds only prefill_tokens computed positions.
+            wide = max(longest, s.prompt_end - s.prefix)
             if len(batch) == min(len(self.free_rows), self.max_batch_size) or (
-                    batch and tokens + s.prompt_end > self.prefill_tokens):
+                    batch and (tokens + s.prompt_end > self.prefill_tokens or
+                               self.prefill_cost(len(batch) + 1, wide) > self.prefill_tokens)):
                 break
             try:
                 src = self.source(s)
@@ -302,7 +313,7 @@ class Scheduler:
                 self.share(s, src.entry, owned=not hit)
             s.source = src
             batch.append(s)
-            tokens += s.prompt_end
+            tokens, longest = tokens + s.prompt_end, wide
         return batch
 
     def unplan(self, batch: list[Seq]) -> None:
