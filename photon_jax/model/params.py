@@ -147,13 +147,15 @@ _BUCKET_CAP = 1 << 22
 
 
 def _leading(flat, n: int, shape) -> jax.Array:
-    """The first `n` values of a flat array, shaped `shape`: cut on the host when the array
-    is concrete (a device slice would compile once per shape), by `lax` under a trace
-    (`jax.eval_shape(init_params)` gives the tree's shapes)."""
+    """The first `n` values of a flat array, shaped `shape`.  A bucketed draw (at most
+    `_BUCKET_CAP` values) is cut on the host: a device slice would compile once per shape.
+    A leaf drawn at its own size, and any draw under a trace (`jax.eval_shape(init_params)`
+    gives the tree's shapes), stay on the device: a large leaf never makes a host round
+    trip."""
+    if flat.shape[0] == n:
+        return flat.reshape(shape)
     if isinstance(flat, jax.core.Tracer):
         return flat[:n].reshape(shape)
-    if flat.shape == (n,) and len(shape) == 1:
-        return flat
     return jax.device_put(np.asarray(flat)[:n].reshape(shape))
 
 
