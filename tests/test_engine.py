@@ -383,3 +383,23 @@ def test_step_log_holds_the_step_of_every_delivered_result(model, encoded):
             assert [s["kind"] for s in eng.step_log()[before:]] == ["prefill"] + ["decode"] * (n - 1)
     finally:
         eng.close()
+
+
+def test_a_long_prompt_among_short_ones_is_prefilled_alone(model):
+    """The engine holds a prefill launch to `prefill_tokens` positions in its padded shape
+    (rows and prompt length rounded to its buckets), not only in the requests' own
+    positions.  A 200-token text prompt and a 40-token one (240 <= 256) would launch as 4
+    rows x 256 positions: the long one runs alone.  Five 40-token prompts (200) would
+    launch as 8 rows x 64 = 512 (the row bucket after 4 is 8): four go together, then one.
+    Every answer is what it is alone."""
+    eng = Engine(model, max_batch_size=8, prefill_tokens=256)
+    greedy = Settings(temperature=0, max_tokens=2)
+    try:
+        reqs = [Request("text", list(range(10, 210)), None, greedy)]
+        reqs += [Request("text", list(range(20 + i, 60 + i)), None, greedy) for i in range(5)]
+        together = [h.result(timeout=300) for h in eng.submit_many(reqs)]
+        prefills = [s["rows"] for s in eng.step_log() if s["kind"] == "prefill"]
+        assert prefills == [1, 4, 1]
+        assert [eng.submit(r).result(timeout=300) for r in reqs] == together
+    finally:
+        eng.close()

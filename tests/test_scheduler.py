@@ -11,6 +11,7 @@ import pytest
 
 from photon_jax.engine.request import Handle, Request, RequestError
 from photon_jax.engine.scheduler import Origin, Scheduler, Seq, Source
+from photon_jax.engine.step import prefill_row_bucket, prompt_bucket
 
 PAGE = 4
 
@@ -106,18 +107,18 @@ def test_admission_by_pages_in_arrival_order():
 
 def test_a_prefill_is_held_to_its_budget_in_computed_positions_padding_included():
     """The requests' own positions fit (90 + 4 x 2 <= 100), but launched together every row
-    would be padded to the long prompt: 5 rows x 90 positions computed, and with the
-    engine's buckets (rows 1, 4, 16; prompts 16, 32, 64, 128) 16 x 128.  The memory plan's
-    workspace holds `prefill_tokens` computed positions, so the long prompt runs alone and
-    the short ones together after it."""
-    for cost in (None, lambda rows, longest: (1 if rows == 1 else 4 if rows <= 4 else 16) *
-                 max(16, 1 << (longest - 1).bit_length())):
+    is padded to the long prompt: 5 rows x 90 positions computed (rows x longest, the
+    default cost), 5 x 128 with the engine's buckets.  The memory plan's workspace holds
+    `prefill_tokens` computed positions, so the long prompt runs alone and the short ones
+    together after it (4 rows x 16 = 64).  Before, all five launched at once."""
+    buckets = lambda rows, longest: prefill_row_bucket(rows, 5) * prompt_bucket(longest)  # noqa: E731
+    for cost in (None, buckets):
         sc = Scheduler(max_batch_size=5, n_pages=41, page_size=PAGE, prefix_len=8,
                        prefill_tokens=100, prefill_cost=cost)
         long, shorts = seq(90), [seq(2) for _ in range(4)]
         admit(sc, long, *shorts, ctx=128)
         assert launch_prefill(sc) == [long]
-        assert launch_prefill(sc) == shorts      # 4 rows x 16 (bucketed) = 64 <= 100
+        assert launch_prefill(sc) == shorts
 
 
 def test_a_prefill_never_follows_a_prefill_while_decode_rows_wait():
