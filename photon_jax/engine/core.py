@@ -171,7 +171,8 @@ class Engine:
         """The device buffers allocated at start-up and how the KV pool is used now (pages
         of `page_size` positions; `kv_cache_tokens` = usable pages x page size; `kv_dtype`:
         the pool's format, `kv_bytes_per_token`: K + V of a position over every layer,
-        scales included)."""
+        scales included; `weights`: the weights' bytes on the device, codes and scales of
+        quantized ones included, `weights_format`: which are quantized)."""
         a, c = self.sched.alloc, self.sched.cache
         return {"kv_pool": self.plan.pool, "kv_cache_tokens": self.plan.kv_cache_tokens,
                 "kv_dtype": self.kv_dtype or self.cfg.dtype,
@@ -183,7 +184,8 @@ class Engine:
                 "pages_in_prefix_cache": c.pages(),
                 "arenas": list(self.arenas.sizes),
                 "slots": self.dev.nbytes()["slots"], "pending": self.dev.nbytes()["pending"],
-                "weights": self.plan.weights}
+                "weights": self.plan.weights,
+                "weights_format": self.cfg.weights.describe()}
 
     def stats(self) -> dict:
         """Counters: steps by kind, tokens committed, zombie rows, and the prefix cache's

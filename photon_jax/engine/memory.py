@@ -150,6 +150,30 @@ def prefill_view_bytes(cfg: MoondreamConfig, max_batch_size: int,
     return positions * 2 * heads * t.head_dim * per_elem
 
 
+def widened_bytes(cfg: MoondreamConfig, dtype=None, mesh_size: int = 1) -> int:
+    """The largest quantized weight widened to the compute dtype at once, on one chip
+    (`quant.dequantize`: where XLA does not fuse the widening into the product, a CPU's
+    prefill, a grouped expert product's whole stack of one layer); 0 unquantized."""
+    from ..model.params import flatten, param_shapes, weight_format
+    from ..model.sharding import local_experts
+
+    if not cfg.weights.any:
+        return 0
+    it = np.dtype(canonical(dtype or cfg.dtype)).itemsize
+    best, experts = 0, 0
+    for path, shape in flatten(param_shapes(cfg)).items():
+        if not weight_format(path, cfg):
+            continue
+        per_layer = int(np.prod(shape[1:] if path[1] in ("blocks", "moe_blocks") else shape))
+        if "moe" in path:
+            e = shape[1]
+            experts += per_layer // e * local_experts(e, mesh_size)
+        else:
+            n = shape[-1]
+            best = max(best, per_layer // (mesh_size if n % mesh_size == 0 else 1))
+    return max(best, experts) * it
+
+
 def workspace_bytes(cfg: MoondreamConfig, dtype=None, prefill_tokens: int = PREFILL_TOKENS,
                     mesh_size: int = 1, max_batch_size: int = 1, kv_dtype=None,
                     grouped: str = "ragged") -> int:
@@ -157,7 +181,8 @@ def workspace_bytes(cfg: MoondreamConfig, dtype=None, prefill_tokens: int = PREF
     prefill (the vision encoder's attention scores over all crops, or the text model's over
     the image prefix), or a prompt prefill of `prefill_tokens` positions over up to
     `max_batch_size` rows (`prefill_token_bytes` each, and the K/V view it gathers:
-    `prefill_view_bytes`), at least 1 GiB."""
+    `prefill_view_bytes`), at least 1 GiB; plus, with quantized weights, the largest of them
+    widened (`widened_bytes`)."""
     v, t = cfg.vision, cfg.text
     crops = v.max_crops + 1
     vision = crops * v.enc_n_heads * v.n_patches ** 2 * 4
@@ -167,7 +192,8 @@ def workspace_bytes(cfg: MoondreamConfig, dtype=None, prefill_tokens: int = PREF
                                                     grouped)
                + prefill_view_bytes(cfg, max_batch_size, prefill_tokens, mesh_size, dtype,
                                     kv_dtype))
-    return max(MIN_WORKSPACE, 2 * max(vision, text, mlp), prefill)
+    return max(MIN_WORKSPACE, 2 * max(vision, text, mlp), prefill) + widened_bytes(
+        cfg, dtype, mesh_size)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import flax.struct
 
 from ..base.dtypes import F32, jnp_dtype
 from ..kernels import cpukernel, gpu_attention
-from ..model import sampling, text, vision
+from ..model import quant, sampling, text, vision
 from ..model.config import KIND_COORD, KIND_SIZE, KIND_TOKEN, MoondreamConfig
 from ..model.layers import linear
 from ..model.platforms import (DENSE_MIN_ROWS, GPU_ATTENTION, TPU_ATTENTION, Platform,
@@ -203,7 +203,15 @@ def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_
     rows = meta_FR[M_ROW]
     x = text.input_embeddings(params, pending.kind[rows], pending.token[rows],
                               pending.value[rows], cfg=cfg, rows=True)[:, None]
-    product = cpukernel.linear if dense and x.shape[0] >= DENSE_MIN_ROWS else linear
+    def product(x, p):
+        # Few rows of float32 weights: XLA streams them faster than the kernel's panels.
+        # Quantized weights always go to the kernel: it widens the codes in registers,
+        # where XLA:CPU would first write the widened weight out whole in every step.
+        if dense and (x.shape[0] >= DENSE_MIN_ROWS
+                      or quant.is_quantized(p.get("w_vd", p.get("w")))):
+            return cpukernel.linear(x, p)
+        return linear(x, p)
+
     hidden, pool, _ = text.forward(params["text"], cfg.text, x, meta_FR[M_POS][:, None], pool,
                                    decode_access(meta_FR, pages_2P, attention=attention,
                                                  splits=splits, tp=tp,

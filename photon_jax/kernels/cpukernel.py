@@ -14,7 +14,11 @@ Why the dense kernel.  A decode step multiplies a few rows by every weight matri
 runs these float32 products at 15-25 GFLOP/s on 2 cores, about a third of what the same cores
 reach on a large product, so at 32 rows they were most of the step.  `dense` packs 16-column
 panels of the weight and runs register-blocked tiles over them (AVX2 + FMA; built for other
-CPUs it reports so through `dense_fast()` and the step keeps XLA's products).
+CPUs it reports so through `dense_fast()` and the step keeps XLA's products).  A quantized
+weight (`model.quant`: 8-bit codes with channel scales, 4-bit codes with group scales and
+zeros) goes in as its codes and is widened while its panels are packed, so the call reads 1
+byte (int8, fp8) or half a byte (int4) per weight instead of 4, and computes bitwise what
+the float32 call on the dequantized weight computes.
 
 Building.  `c++` (or `$CXX`) with `-O3 -march=native`, against the FFI headers of the
 installed jaxlib; the library goes to `$XDG_CACHE_HOME/photon_jax/kernels` (default
@@ -165,19 +169,46 @@ def dense_fast() -> bool:
     return load() and _state["dense_fast"]
 
 
+def _dense_weight(w, transposed: bool):
+    """(codes or floats, scales, zeros) for the kernel: a float weight as float32 with empty
+    scales and zeros; a quantized dict (`model.quant`'s layouts: {"q", "s"} int8 or
+    float8_e4m3fn codes with float32 scales [N]; {"q4", "s4", "z4"} 4-bit) as its parts.
+    The codes' dtype tells the kernel their kind."""
+    empty = jnp.zeros((0,), F32)
+    if not isinstance(w, dict):
+        return w.astype(F32), empty, empty
+    if "q" in w:
+        q = w["q"]
+        if np.dtype(q.dtype) not in (np.dtype(np.int8), np.dtype(jnp.float8_e4m3fn)):
+            raise ValueError(f"dense: 8-bit codes must be int8 or float8_e4m3fn, not {q.dtype}")
+        return q, w["s"].astype(F32), empty
+    if "q4" in w:
+        if transposed:
+            raise ValueError("dense: a 4-bit weight is never held transposed")
+        return w["q4"].astype(jnp.uint8), w["s4"].astype(F32), w["z4"].astype(F32)
+    raise ValueError(f"dense: not a weight: a dict with keys {sorted(w)}")
+
+
 def dense(x_MK, w, b_N, transposed: bool = False):
     """[M, N] float32: x @ w + b, w [K, N] (or [N, K] with `transposed`), summed in k order
-    in float32, the bias added last.  Must run on CPU; call `load()` first."""
+    in float32, the bias added last.  `w` is a float array or a quantized weight dict
+    (`model.quant`: int8 / float8_e4m3fn codes with per-channel scales, or 4-bit codes
+    with group scales and zeros), widened in the kernel as it packs W's panels, value for
+    value as `quant.dequantize(w, float32, transposed)` widens it (4-bit: both steps
+    rounded to bfloat16): the result is bitwise `dense` on that float32 weight.  Must run
+    on CPU; call `load()` first."""
     if not load():
         raise RuntimeError(f"the CPU kernels are not available: {reason()}")
-    n = w.shape[0] if transposed else w.shape[1]
+    q, s, z = _dense_weight(w, transposed)
+    n = q.shape[0] if transposed else q.shape[1]
     return jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct((x_MK.shape[0], n), F32))(
-        x_MK.astype(F32), w.astype(F32), b_N.astype(F32), transposed=transposed)
+        x_MK.astype(F32), q, b_N.astype(F32), s, z, transposed=transposed)
 
 
 def linear(x, p):
-    """`layers.linear` through `dense`: x [..., K] times p["w"] [K, N] or p["w_vd"] [N, K],
-    plus p["b"], in x's dtype."""
+    """`layers.linear` through `dense`: x [..., K] times p["w"] [K, N] or p["w_vd"] [N, K]
+    (a float array or a quantized dict, passed through as it is), plus p["b"], in x's
+    dtype."""
     transposed = "w_vd" in p
     y = dense(x.reshape(-1, x.shape[-1]), p["w_vd" if transposed else "w"], p["b"], transposed)
     return y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)
@@ -192,8 +223,9 @@ def bytes_accessed(kv_bytes: int, n_layers: int, rows: int, n_heads: int, head_d
 
 def dense_bytes_accessed(jaxpr) -> int:
     """What the `dense` calls of a traced program (`jax.make_jaxpr`, nested jaxprs included)
-    read and write: each reads its x, weight and bias whole and writes its output.  XLA's
-    cost analysis counts these custom calls as nothing, like the attention kernel's."""
+    read and write: each reads its x, weight (float32, or its codes, scales and zeros at
+    their own widths) and bias whole and writes its output.  XLA's cost analysis counts
+    these custom calls as nothing, like the attention kernel's."""
     total = 0
     stack = [getattr(jaxpr, "jaxpr", jaxpr)]
     while stack:

@@ -14,7 +14,8 @@ import os
 
 import jax
 
-from .config import FORMAT_VERSION, MoondreamConfig
+from .config import (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION, READ_FORMAT_VERSIONS,
+                     MoondreamConfig)
 from .params import abstract_params
 
 
@@ -44,17 +45,18 @@ def read_config(path: str) -> MoondreamConfig:
     with open(cfg_path) as f:
         d = json.load(f)
     version = d.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READ_FORMAT_VERSIONS:
         raise CheckpointError(
             f"{cfg_path}: checkpoint format version {version!r}, this photon_jax reads "
-            f"{FORMAT_VERSION}; re-run photon-convert"
+            f"{' or '.join(map(str, READ_FORMAT_VERSIONS))}; re-run photon-convert"
         )
     return MoondreamConfig.from_dict(d["model"])
 
 
 def write_metadata(path: str, cfg: MoondreamConfig, provenance: dict) -> None:
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"format_version": FORMAT_VERSION, "model": cfg.to_dict()}, f, indent=1)
+        version = QUANTIZED_FORMAT_VERSION if cfg.weights.any else FORMAT_VERSION
+        json.dump({"format_version": version, "model": cfg.to_dict()}, f, indent=1)
     with open(os.path.join(path, "provenance.json"), "w") as f:
         json.dump(provenance, f, indent=1)
 

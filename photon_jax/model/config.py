@@ -18,8 +18,12 @@ import dataclasses
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-# Version of the checkpoint directory layout written by `photon-convert`.
+# Version of the checkpoint directory layout written by `photon-convert`: 2 for a checkpoint
+# with quantized weights (a `weights` section; readers of version 1 refuse it cleanly), 1
+# otherwise, so float checkpoints written before quantization existed still load.
 FORMAT_VERSION = 1
+QUANTIZED_FORMAT_VERSION = 2
+READ_FORMAT_VERSIONS = (1, 2)
 
 
 class ConfigError(ValueError):
@@ -173,6 +177,49 @@ class TokenizerConfig:
         )
 
 
+# The quantized weight formats (`quant.FORMATS`; kept here so the config imports nothing).
+WEIGHT_FORMATS = ("int8", "fp8", "int4")
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Which weights are stored quantized, and in which format ("": the model dtype).
+    `linear`: the text layers' qkv, proj and dense MLP; `experts`: the mixture-of-experts
+    stacks; `head`: the LM head (8-bit only); `region`: the region model's linear layers
+    (Moondream 2's 4-bit release quantizes them when its config sets region.group_size)."""
+    linear: str = ""
+    experts: str = ""
+    head: str = ""
+    region: str = ""
+
+    @classmethod
+    def of(cls, fmt: str | None) -> "Weights":
+        """The preset `--weights FMT` asks for: every text linear layer and expert in FMT,
+        the head in FMT (int8 for int4: the head is read whole every step and its error
+        reaches every logit directly)."""
+        if not fmt:
+            return cls()
+        if fmt not in WEIGHT_FORMATS:
+            raise ConfigError(f"weights={fmt!r} is not a weight format; choose one of "
+                              f"{', '.join(WEIGHT_FORMATS)}")
+        return cls(linear=fmt, experts=fmt, head="int8" if fmt == "int4" else fmt)
+
+    def fill(self, other: "Weights") -> "Weights":
+        """These formats, with `other`'s where these are unset (a published checkpoint's
+        quantized weights stay as published; the rest take the requested format)."""
+        return Weights(*(a or b for a, b in zip(dataclasses.astuple(self),
+                                                 dataclasses.astuple(other))))
+
+    @property
+    def any(self) -> bool:
+        return any(dataclasses.astuple(self))
+
+    def describe(self) -> str:
+        parts = [f"{f.name} {getattr(self, f.name)}" for f in fields(self)
+                 if getattr(self, f.name)]
+        return ", ".join(parts) or "unquantized"
+
+
 @dataclass(frozen=True)
 class MoondreamConfig:
     text: TextConfig = field(default_factory=TextConfig)
@@ -182,6 +229,8 @@ class MoondreamConfig:
     family: str = "moondream2"
     # Name of the compute/storage dtype ("float32" or "bfloat16"); see `photon_jax.base.dtypes`.
     dtype: str = "bfloat16"
+    # Quantized weights (`quant`): which leaves hold codes and scales.
+    weights: Weights = field(default_factory=Weights)
 
     @property
     def prefix_len(self) -> int:
@@ -191,14 +240,27 @@ class MoondreamConfig:
     def with_dtype(self, dtype: str) -> "MoondreamConfig":
         return replace(self, dtype=dtype)
 
+    def with_weights(self, more: "Weights | str | None") -> "MoondreamConfig":
+        """This config with `more` quantized (a `Weights`, or a format name for
+        `Weights.of`) where its weights are still float; a model without experts drops
+        the experts' format."""
+        more = more if isinstance(more, Weights) else Weights.of(more)
+        w = self.weights.fill(more)
+        if self.text.moe is None:
+            w = replace(w, experts="")
+        return replace(self, weights=w).validate()
+
     def validate(self) -> "MoondreamConfig":
         t, v, r, tok = self.text, self.vision, self.region, self.tokenizer
         problems = []
-        if t.group_size is not None or r.group_size is not None:
-            problems.append(
-                "group_size is set: int4-quantized Moondream checkpoints are not supported; "
-                "convert the bf16 release instead"
-            )
+        for f in fields(Weights):
+            fmt = getattr(self.weights, f.name)
+            if fmt and fmt not in WEIGHT_FORMATS:
+                problems.append(f"weights.{f.name} {fmt!r} is not one of {WEIGHT_FORMATS}")
+        if self.weights.head == "int4":
+            problems.append("weights.head int4: the LM head is kept in 8 bits")
+        if self.weights.experts and t.moe is None:
+            problems.append("weights.experts is set but the model has no experts")
         if t.dim % t.n_heads:
             problems.append(f"text.dim {t.dim} is not divisible by text.n_heads {t.n_heads}")
         elif t.n_heads % t.n_kv_heads:
@@ -258,6 +320,7 @@ class MoondreamConfig:
             "vision": dataclasses.asdict(self.vision),
             "region": dataclasses.asdict(self.region),
             "tokenizer": tok,
+            **({"weights": dataclasses.asdict(self.weights)} if self.weights.any else {}),
         }
 
     @classmethod
@@ -272,7 +335,7 @@ class MoondreamConfig:
         base = base or moondream2()
         if not isinstance(d, dict):
             raise ConfigError(f"config must be a dict, got {type(d).__name__}")
-        allowed_top = {"text", "vision", "region", "tokenizer", "family", "dtype"}
+        allowed_top = {"text", "vision", "region", "tokenizer", "family", "dtype", "weights"}
         unknown = sorted(set(d) - allowed_top)
         if unknown:
             raise ConfigError(
@@ -286,6 +349,7 @@ class MoondreamConfig:
         out = MoondreamConfig(
             text=text, vision=vision, region=region, tokenizer=tok,
             family=d.get("family", base.family), dtype=d.get("dtype", base.dtype),
+            weights=_override(base.weights, d.get("weights", {}), "weights"),
         )
         return out.validate()
 
@@ -505,4 +569,11 @@ def from_hf_config_json(cfg_json: dict, dtype: str = "bfloat16",
     if md3 is None:
         md3 = is_md3_config_json(cfg_json)
     base = moondream3(dtype, max_context=HF_MD3_CONTEXT) if md3 else moondream2(dtype)
-    return MoondreamConfig.from_dict(inner, base=base, extra_text_keys=False)
+    cfg = MoondreamConfig.from_dict(inner, base=base, extra_text_keys=False)
+    # The reference's switch for its 4-bit layers (QuantizedLinear, groups of 128 whatever
+    # the value): the text layers, and the region model's when its own group_size is set.
+    if cfg.text.group_size is not None or cfg.region.group_size is not None:
+        cfg = replace(cfg, weights=Weights(
+            linear="int4" if cfg.text.group_size is not None else "",
+            region="int4" if cfg.region.group_size is not None else "")).validate()
+    return cfg

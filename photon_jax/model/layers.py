@@ -10,14 +10,18 @@ import jax
 import jax.numpy as jnp
 
 from ..base.dtypes import F32, matmul_precision
+from . import quant
 
 LN_EPS = 1e-5
 
 
 def linear(x, p):
     """x @ w + b, accumulated in float32, returned in x's dtype.  The weight is p["w"]
-    [in, out], or p["w_vd"] [out, in] (the serving LM head: `text.unstack_layers`)."""
-    spec, w = ("...i,oi->...o", p["w_vd"]) if "w_vd" in p else ("...i,io->...o", p["w"])
+    [in, out], or p["w_vd"] [out, in] (the serving LM head: `text.unstack_layers`), float
+    or quantized (`quant`: widened here, in the program, next to the product)."""
+    transposed = "w_vd" in p
+    spec, w = ("...i,oi->...o", p["w_vd"]) if transposed else ("...i,io->...o", p["w"])
+    x, w = quant.widen_for(x, w, x.dtype, transposed)
     y = jnp.einsum(spec, x, w, precision=matmul_precision(x.dtype), preferred_element_type=F32)
     return (y + p["b"].astype(F32)).astype(x.dtype)
 

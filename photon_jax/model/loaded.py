@@ -21,6 +21,7 @@ import jax
 from ..base.dtypes import canonical
 from . import checkpoint, platforms, sharding, text
 from .config import MoondreamConfig
+from .params import quantize_params
 from .tokenizer import Prompts, load_tokenizer
 
 
@@ -67,11 +68,15 @@ class Model:
 
     @classmethod
     def load(cls, path: str, *, dtype=None, device=None, attention: str | None = None,
-             mesh=None,
+             mesh=None, weights: str | None = None,
              preflight: Callable[[MoondreamConfig, jax.Device], None] | None = None
              ) -> "Model":
         """dtype None: the checkpoint's dtype on an accelerator; float32 on CPU
         (`platforms.default_dtype`).
+        `weights`: "int8", "fp8" or "int4" quantizes the text model's linear layers, experts
+        and head as they load (`config.Weights.of`; weights the checkpoint already holds
+        quantized stay as they are).  The float weights are read onto the host and each is
+        quantized there before it moves: the device only ever holds the codes.
         `attention`: the decode attention (`platforms.ATTENTION`; None: the device's default).
         `mesh`: a `jax.sharding.Mesh` with the one axis "model": each weight is read
         straight onto the chips that hold it (`sharding`).  `preflight(cfg, device)` runs
@@ -86,10 +91,23 @@ class Model:
             dev = resolve_device(device)
         cfg = cfg.with_dtype(canonical(dtype) if dtype is not None else
                              platforms.default_dtype(dev.platform, cfg.dtype))
+        stored = cfg
+        if weights is not None:
+            cfg = cfg.with_weights(weights)
         if preflight is not None:
             preflight(cfg, dev)
         tp = None if mesh is None else sharding.TensorParallel(mesh)
-        params = checkpoint.restore_params(path, cfg, device=dev, tp=tp)
+        if cfg.weights == stored.weights:
+            params = checkpoint.restore_params(path, cfg, device=dev, tp=tp)
+        else:
+            host = jax.devices("cpu")[0]
+            params = quantize_params(checkpoint.restore_params(path, stored, device=host),
+                                     cfg, free=True)
+            if mesh is None:
+                moved = jax.device_put(params, dev)
+                if dev != host:
+                    jax.tree.map(lambda a: a.delete(), params)
+                params = moved
         tok = load_tokenizer(os.path.join(path, "tokenizer.json"))
         return cls(cfg, params, tok, device=None if mesh is not None else dev,
                    attention=attention, mesh=mesh, free_stacked=True)

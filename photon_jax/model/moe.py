@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from ..base.dtypes import F32, matmul_precision
+from . import quant
 from .layers import linear
 
 MAX_BLOCK = 64
@@ -114,10 +115,12 @@ def _experts(x_ND, fc1_EDF, fc2_EFD):
     XLA transpose (copy) the whole [E, D, F] weight stack first, which read and wrote the
     weights twice more than the product itself (2.3x the layer's weights at 1 token)."""
     prec = matmul_precision(x_ND.dtype)
+    x_ND, fc1_EDF = _widen(x_ND, fc1_EDF)
     x_END = jnp.broadcast_to(x_ND[None], (fc1_EDF.shape[0],) + x_ND.shape)
     h = jnp.einsum("end,edf->enf", x_END, fc1_EDF, precision=prec,
                    preferred_element_type=F32).astype(x_ND.dtype)
-    return jnp.einsum("enf,efd->end", _activation(h, fc2_EFD.shape[1]), fc2_EFD,
+    a, fc2_EFD = _widen(_activation(h, quant.logical_shape(fc2_EFD)[1]), fc2_EFD)
+    return jnp.einsum("enf,efd->end", a, fc2_EFD,
                       precision=prec, preferred_element_type=F32).astype(x_ND.dtype)
 
 
@@ -126,19 +129,33 @@ def _pick(y_END, slot_NK):
     return y_END[slot_NK, jnp.arange(slot_NK.shape[0])[:, None]]
 
 
+def _widen(x, w):
+    """(x, w widened to x's dtype), after x (`quant.widen_for`).  Quantized experts widen
+    next to the product that reads them; after `take`, only the selected experts' codes."""
+    return quant.widen_for(x, w, x.dtype)
+
+
+def n_experts(p) -> int:
+    return quant.logical_shape(p["fc1"])[0]
+
+
+def _inner(p) -> int:
+    return quant.logical_shape(p["fc2"])[1]
+
+
 def _dense(p, x_ND, ids_NK):
     return _pick(_experts(x_ND, p["fc1"], p["fc2"]), ids_NK)
 
 
 def _gather(p, x_ND, ids_NK):
     n, k = ids_NK.shape
-    u = min(p["fc1"].shape[0], n * k)
-    e = p["fc1"].shape[0]
+    e = n_experts(p)
+    u = min(e, n * k)
     # Sorted, padded at the end with E (past every id), so searchsorted finds each id among
     # the real entries; the padding slots compute expert E-1 again and are never picked.
     uniq = jnp.unique(ids_NK.reshape(-1), size=u, fill_value=e)
     safe = jnp.minimum(uniq, e - 1)
-    return _pick(_experts(x_ND, p["fc1"][safe], p["fc2"][safe]),
+    return _pick(_experts(x_ND, quant.take(p["fc1"], safe), quant.take(p["fc2"], safe)),
                  jnp.searchsorted(uniq, ids_NK))
 
 
@@ -166,9 +183,9 @@ def _sorted_assignments(ids_NK, e: int, block: int):
 
 def _blocks(p, x_ND, ids_NK, unroll: bool = False):
     n, k = ids_NK.shape
-    e, d = p["fc1"].shape[0], x_ND.shape[1]
+    e, d = n_experts(p), x_ND.shape[1]
     prec = matmul_precision(x_ND.dtype)
-    inner = p["fc2"].shape[1]
+    inner = _inner(p)
     block = block_size(n * k, e)
     order, dest, block_expert, _, n_blocks = _sorted_assignments(ids_NK, e, block)
     rows = n_blocks * block
@@ -177,9 +194,11 @@ def _blocks(p, x_ND, ids_NK, unroll: bool = False):
     def body(i, y):
         ex = block_expert[i]
         xb = jax.lax.dynamic_slice_in_dim(xs, i * block, block)
-        h = jnp.einsum("bd,df->bf", xb, p["fc1"][ex], precision=prec,
+        xb, w1 = _widen(xb, quant.take(p["fc1"], ex))
+        h = jnp.einsum("bd,df->bf", xb, w1, precision=prec,
                        preferred_element_type=F32).astype(x_ND.dtype)
-        yb = jnp.einsum("bf,fd->bd", _activation(h, inner), p["fc2"][ex], precision=prec,
+        a, w2 = _widen(_activation(h, inner), quant.take(p["fc2"], ex))
+        yb = jnp.einsum("bf,fd->bd", a, w2, precision=prec,
                         preferred_element_type=F32).astype(x_ND.dtype)
         return jax.lax.dynamic_update_slice_in_dim(y, yb, i * block, 0)
 
@@ -201,12 +220,16 @@ def _grouped_rows(ids_NK, e: int):
 
 def _ragged(p, x_ND, ids_NK):
     n, k = ids_NK.shape
-    e = p["fc1"].shape[0]
+    e = n_experts(p)
     prec = matmul_precision(x_ND.dtype)
     order, counts = _grouped_rows(ids_NK, e)
-    h = jax.lax.ragged_dot(x_ND[order // k], p["fc1"], counts, precision=prec,
+    # The grouped product reads whole stacks: quantized ones are widened first (one
+    # layer's stack at a time).
+    xs, fc1 = _widen(x_ND[order // k], p["fc1"])
+    h = jax.lax.ragged_dot(xs, fc1, counts, precision=prec,
                            preferred_element_type=F32).astype(x_ND.dtype)
-    y = jax.lax.ragged_dot(_activation(h, p["fc2"].shape[1]), p["fc2"], counts,
+    a, fc2 = _widen(_activation(h, _inner(p)), p["fc2"])
+    y = jax.lax.ragged_dot(a, fc2, counts,
                            precision=prec, preferred_element_type=F32).astype(x_ND.dtype)
     return jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
 
@@ -232,7 +255,7 @@ def _megablox(p, x_ND, ids_NK, interpret: bool = False):
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
     n, k = ids_NK.shape
-    e = p["fc1"].shape[0]
+    e = n_experts(p)
     a = n * k
     tm = megablox_tile_rows(a, e)
     rows = -(-a // tm) * tm
@@ -246,8 +269,8 @@ def _megablox(p, x_ND, ids_NK, interpret: bool = False):
         return gmm(lhs, rhs, counts, preferred_element_type=F32, tiling=tiling,
                    interpret=interpret).astype(x_ND.dtype)
 
-    h = product(xs, p["fc1"])
-    y = product(_activation(h, p["fc2"].shape[1]), p["fc2"])[:a]
+    h = product(*_widen(xs, p["fc1"]))
+    y = product(*_widen(_activation(h, _inner(p)), p["fc2"]))[:a]
     return jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
 
 
@@ -267,10 +290,17 @@ def moe_mlp(p, x_TD, k: int, with_routes: bool = False, grouped: str = "blocks",
     lead, d = x_TD.shape[:-1], x_TD.shape[-1]
     x = x_TD.reshape(-1, d)
     ids, w = route(p, x, k)
-    how = schedule_ or schedule(x.shape[0], p["fc1"].shape[0], k, grouped)
+    how = schedule_ or schedule(x.shape[0], n_experts(p), k, grouped)
+    if schedule_ is None and how.startswith("megablox") and x.shape[0] <= DECODE_TOKENS \
+            and quant.is_quantized(p["fc1"]):
+        # Megablox reads whole stacks, so quantized ones would be widened into a copy first
+        # (compiled for a v5e 2x2 at Moondream 3.1's shapes: 2.9 GB of temporaries per
+        # chip).  The block loop reads each selected expert's codes where they lie, widened
+        # inside its product.
+        how = "blocks"
     def apply(w, x, ids):
         if how not in GROUPED:   # another chip's expert computed as any (the caller drops it)
-            ids = jnp.minimum(ids, w["fc1"].shape[0] - 1)
+            ids = jnp.minimum(ids, n_experts(w) - 1)
         if how == "blocks":
             return _blocks(w, x, ids, unroll)
         return _APPLY[how](w, x, ids)

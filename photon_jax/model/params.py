@@ -101,15 +101,59 @@ def _is_shape(x):
     return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 
 
+_REGION_LINEARS = ("coord_encoder", "size_encoder", "coord_decoder", "size_decoder", "fc1",
+                   "fc2")
+
+
+def weight_format(path: tuple[str, ...], cfg: MoondreamConfig) -> str:
+    """The format of the leaf at `path` (checkpoint layout): "" (the model dtype) or one of
+    `quant.FORMATS`, by `cfg.weights`."""
+    w = cfg.weights
+    if not w.any or not path:
+        return ""
+    if path[0] == "text":
+        if "moe" in path:
+            return w.experts if path[-1] in ("fc1", "fc2") else ""
+        if path[-1] != "w":
+            return ""
+        if path[-2] == "lm_head":
+            return w.head
+        return w.linear if path[-2] in ("qkv", "proj", "fc1", "fc2") else ""
+    if path[0] == "region" and path[-1] == "w" and path[-2] in _REGION_LINEARS:
+        return w.region
+    return ""
+
+
+def param_specs(cfg: MoondreamConfig, dtype=None) -> dict:
+    """The stored tree: {leaf: (shape, dtype)}, a quantized weight as its dict of parts
+    (`quant.specs`); float leaves in `dtype` (default the config's)."""
+    from . import quant
+
+    dt = np.dtype(jnp_dtype(dtype or cfg.dtype))
+    flat = flatten(param_shapes(cfg))
+    out: dict = {}
+    for path, shape in flat.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        fmt = weight_format(path, cfg)
+        node[path[-1]] = quant.specs(shape, fmt) if fmt else (shape, dt)
+    return out
+
+
+def _is_spec(x):
+    return isinstance(x, tuple) and len(x) == 2 and _is_shape(x[0])
+
+
 def abstract_params(cfg: MoondreamConfig, dtype=None, sharding=None) -> dict:
-    """The tree of `jax.ShapeDtypeStruct` a checkpoint is restored against."""
-    dt = jnp_dtype(dtype or cfg.dtype)
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dt, sharding=sharding),
-                        param_shapes(cfg), is_leaf=_is_shape)
+    """The tree of `jax.ShapeDtypeStruct` a checkpoint is restored against: float leaves in
+    `dtype` (default the config's), quantized parts in their own dtypes."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s[0], s[1], sharding=sharding),
+                        param_specs(cfg, dtype), is_leaf=_is_spec)
 
 
 def init_params(key, cfg: MoondreamConfig, dtype=None) -> dict:
-    """Random params with roughly the reference's scales (for tests and benchmarks only).
+    """Random params (float: `quantize_params` makes a quantized tree of them) with roughly the reference's scales (for tests and benchmarks only).
 
     Each leaf is the first values of a flat draw whose size is rounded up to a power of two:
     JAX's (partitionable) threefry gives value i from the key and i alone, so these are the
@@ -176,3 +220,26 @@ def flatten(tree: dict) -> dict:
 
     walk(tree, ())
     return flat
+
+
+def quantize_params(params: dict, cfg: MoondreamConfig, free: bool = False) -> dict:
+    """A float checkpoint-layout tree -> the tree of `cfg.weights`: each leaf that
+    `weight_format` names is quantized where it lies (`quant.quantize` in jax.numpy; leaves
+    already quantized stay).  `free`: delete each float leaf once quantized (peak: the tree
+    plus one leaf's codes)."""
+    from . import quant
+
+    out: dict = {}
+    for path, leaf in flatten(params).items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        fmt = weight_format(path, cfg)
+        if fmt and not quant.is_quantized(leaf):
+            q = quant.quantize(leaf, fmt, xp=jnp)
+            if free and isinstance(leaf, jax.Array):
+                jax.block_until_ready(q)
+                leaf.delete()
+            leaf = q
+        node[path[-1]] = leaf
+    return out

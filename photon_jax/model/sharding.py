@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from . import quant
+
 AXIS = "model"
 
 _TEXT_LINEARS = ("qkv", "proj", "fc1", "fc2")
@@ -87,7 +89,11 @@ def _key(entry) -> str:
 
 def param_axis(path: tuple[str, ...]) -> int | None:
     """The axis a parameter is split on (negative, so stacked checkpoint layers and the
-    serving per-layer dicts agree), or None: replicated.  `path`: its keys from the root."""
+    serving per-layer dicts agree), or None: replicated.  `path`: its keys from the root.
+    A part of a quantized weight (`quant`) is split where its weight is: by output column
+    or by expert."""
+    if path and path[-1] in quant.PARTS:
+        return _part_axis(path[-2], path[-1], param_axis(path[:-1]))
     if not path or path[0] != "text":
         return None
     name, parent = path[-1], path[-2] if len(path) > 1 else ""
@@ -96,6 +102,16 @@ def param_axis(path: tuple[str, ...]) -> int | None:
     if parent == "lm_head" or (parent in _TEXT_LINEARS and "moe" not in path[:-1]):
         return _OUT_AXIS.get(name)               # by output column (LM head: vocabulary)
     return None
+
+
+def _part_axis(weight: str, part: str, axis: int | None) -> int | None:
+    if axis is None:
+        return None
+    if axis == -3:                     # an expert stack: every part leads with E ...
+        return -2 if part == "s" else -3   # ... a channel scale is [.., E, N]
+    if weight == "w_vd":               # the head's codes [V, D], its scales [V]
+        return -1 if part == "s" else -2
+    return -1                          # [.., K, N] codes and [.., N] / [.., G, N] scales
 
 
 def _spec(axis: int | None, shape: tuple, n: int) -> P:
@@ -169,8 +185,12 @@ class TensorParallel:
         output columns on each chip from the gathered input, its output gathered again."""
         def apply(x, p):
             # The rule `param_spec` placed them by (a text linear layer or the LM head).
-            specs = {k: _spec(_OUT_AXIS[k], v.shape, self.n) for k, v in p.items()}
+            specs = {k: ({part: _spec(_part_axis(k, part, _OUT_AXIS[k]), a.shape, self.n)
+                          for part, a in v.items()} if quant.is_quantized(v)
+                         else _spec(_OUT_AXIS[k], v.shape, self.n)) for k, v in p.items()}
             split = specs.get("w_vd", specs.get("w"))
+            if isinstance(split, dict):
+                split = split.get("q", split.get("q4"))
             if split == P():
                 return inner(x, p)
             out = P(*([None] * (x.ndim - 1)), AXIS)
@@ -182,12 +202,12 @@ class TensorParallel:
         """`apply(p, x, ids)` -> [N, k, D] over this chip's experts only, combined: each
         (token, expert) product comes from the one chip holding the expert, the others add
         zeros (`psum`, exact)."""
-        e = p["fc1"].shape[0]
+        e = quant.logical_shape(p["fc1"])[0]
         if local_experts(e, self.n) == e:
             return apply(p, x_ND, ids_NK)
 
         def local(w, x, ids):
-            e_local = w["fc1"].shape[0]
+            e_local = quant.logical_shape(w["fc1"])[0]
             lid = ids - jax.lax.axis_index(AXIS) * e_local
             mine = (lid >= 0) & (lid < e_local)
             # Other chips' experts as id e_local: a grouped schedule leaves them out.

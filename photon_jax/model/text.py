@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..base.dtypes import F32, jnp_dtype, matmul_precision
-from . import moe, region, vision
+from . import moe, quant, region, vision
 from .config import KIND_COORD, KIND_SIZE, MoondreamConfig, TextConfig
 from .layers import attention, attention_mask, layer_norm, linear, mlp
 
@@ -155,10 +155,13 @@ def unstack_layers(params: dict, free: bool = False) -> dict:
         # to 32 rows (measured: 54 ms -> 14-21 ms at 32 rows, width 512); GPU layouts are
         # XLA's choice either way.
         w = head["w"]
-        text["lm_head"] = {"w_vd": w.T, "b": head["b"]}
-        if free and isinstance(w, jax.Array):
-            jax.block_until_ready(text["lm_head"]["w_vd"])
-            w.delete()
+        text["lm_head"] = {"w_vd": quant.transpose_head(w), "b": head["b"]}
+        if free:
+            kept = jax.tree.leaves(text["lm_head"]["w_vd"])
+            jax.block_until_ready(kept)
+            for a in jax.tree.leaves(w):   # a quantized head keeps its scales as they are
+                if isinstance(a, jax.Array) and not any(a is b for b in kept):
+                    a.delete()
     return {**params, "text": text}
 
 
@@ -171,7 +174,7 @@ def stack_layers(params: dict) -> dict:
             text[group] = jax.tree.map(lambda *xs: jnp.stack(xs), *g)
     head = text.get("lm_head")
     if head is not None and "w_vd" in head:
-        text["lm_head"] = {"w": head["w_vd"].T, "b": head["b"]}
+        text["lm_head"] = {"w": quant.untranspose_head(head["w_vd"]), "b": head["b"]}
     return {**params, "text": text}
 
 
