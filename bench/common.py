@@ -96,11 +96,29 @@ CONFIGS = {"small": small_config, "tiny": tiny_config, "md2": md2_config, "md3":
            "small_md3": small_md3_config, "small_v27": small_v27_config}
 
 
+# `--weights` of the compile benchmarks: a format for every quantizable weight
+# (`config.Weights.of`), or "fp8-experts": Moondream 3.1's and 3-preview's published layout.
+WEIGHT_CHOICES = ("int8", "fp8", "int4", "fp8-experts")
+
+
+def with_weights(cfg, weights: str | None):
+    """`cfg` with the weights of a `WEIGHT_CHOICES` entry quantized (None: as it is)."""
+    from photon_jax.model.config import Weights
+
+    if weights is None:
+        return cfg
+    if weights == "fp8-experts":
+        return cfg.with_weights(Weights(experts="fp8"))
+    return cfg.with_weights(weights)
+
+
 def build_model(name: str, eos_bias: float = 0.0, dtype: str | None = None,
-                kv_dtype: str | None = None):
+                kv_dtype: str | None = None, weights: str | None = None):
     """A Model of config `name` with random weights (an EOS logit bias if asked).
     `kv_dtype`: the KV pool format every run of this model gets (kept on the model as
-    `bench_kv_dtype`, canonical: None = the model's dtype)."""
+    `bench_kv_dtype`, canonical: None = the model's dtype).  `weights`: the same random
+    weights quantized ("int8", "fp8", "int4": `config.Weights.of`); None or "float32" /
+    "bfloat16" / "float": unquantized."""
     import jax
 
     from photon_jax.model import Model
@@ -114,10 +132,16 @@ def build_model(name: str, eos_bias: float = 0.0, dtype: str | None = None,
     if eos_bias:
         head = params["text"]["lm_head"]
         head["b"] = head["b"].at[cfg.tokenizer.eos_id].add(eos_bias)
+    if weights not in (None, "float", "float32", "bfloat16"):
+        from photon_jax.model.params import quantize_params
+
+        cfg = cfg.with_weights(weights)
+        params = quantize_params(params, cfg, free=True)
     from photon_jax.engine.kvpool import canonical_kv_dtype
 
     model = Model(cfg, params, load_tokenizer(TOKENIZER))
     model.bench_kv_dtype = canonical_kv_dtype(kv_dtype, cfg.dtype)
+    model.bench_weights = weights if cfg.weights.any else None
     return model
 
 

@@ -36,7 +36,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import env_info  # noqa: E402
+from common import WEIGHT_CHOICES, env_info  # noqa: E402
 
 # An H200 SXM as XLA's GPU compiler needs it described (public hardware figures: 132 SMs,
 # compute capability 9.0, 228 KiB of shared memory per SM of which 227 KiB per block on
@@ -175,22 +175,23 @@ def stacked(a, steps: int):
     return jax.ShapeDtypeStruct((steps, *a.shape), a.dtype)
 
 
-def program_rows(device, batch: int, models):
+def program_rows(device, batch: int, models, weights=None):
     import jax
     import numpy as np
 
-    from common import CONFIGS
+    from common import CONFIGS, with_weights
     from photon_jax.engine import step as step_mod, stepmeta as M
 
     page = 64
     for name in models:
-        cfg = CONFIGS[name]().with_dtype("bfloat16")
+        cfg = with_weights(CONFIGS[name]().with_dtype("bfloat16"), weights)
         # What `memory.device_free` reads on a real H200: JAX's allocator takes 75% of the
         # device by default (XLA_PYTHON_CLIENT_MEM_FRACTION).
         a = decode_args(cfg, batch, page, free=int(0.75 * H200_BYTES))
         params, dev = a["params"], a["dev"]
         P = step_mod.build_for(cfg, "gpu")
-        info = {"model": name, "batch": batch, "kv_cache_tokens": a["plan"].kv_cache_tokens}
+        info = {"model": name, "batch": batch, "kv_cache_tokens": a["plan"].kv_cache_tokens,
+                "weights": cfg.weights.describe(), "weights_bytes": a["plan"].weights}
         yield compile_row("program", P.forward, (params, dev.pool, dev.slots[0], dev.pending,
                                                  a["meta"], a["owners"]), device,
                           program="forward", **info)
@@ -283,6 +284,8 @@ def main() -> None:
                     help="configs of bench/common.py (bfloat16)")
     ap.add_argument("--lower-only", action="store_true",
                     help="lower for CUDA instead of compiling (no plugin needed: the tests)")
+    ap.add_argument("--weights", default=None, choices=WEIGHT_CHOICES,
+                    help="quantized weights (fp8-experts: Moondream 3.1's published layout)")
     ap.add_argument("--ptxas", metavar="DIR",
                     help="dump XLA's PTX to DIR and report each kernel's registers and "
                          "spills (ptxas -v)")
@@ -295,7 +298,7 @@ def main() -> None:
     for row in kernel_rows(device, tuple(args.kv_dtype)):
         print(json.dumps({**row, **env}), flush=True)
     if not args.kernel_only:
-        for row in program_rows(device, args.batch, args.models):
+        for row in program_rows(device, args.batch, args.models, args.weights):
             print(json.dumps({**row, **env}), flush=True)
     if args.ptxas and device is not None:
         for row in ptxas_rows(args.ptxas):

@@ -38,7 +38,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import CONFIGS, env_info  # noqa: E402
+from common import CONFIGS, WEIGHT_CHOICES, env_info, with_weights  # noqa: E402
 
 GiB = 1 << 30
 # Per chip: HBM bytes and bandwidth (public figures), and the topology name a one-chip
@@ -408,6 +408,8 @@ def main() -> None:
                     help="MoE prefill schedule instead of platforms.default_grouped('tpu')")
     ap.add_argument("--kv-dtype", default=None, choices=["int8", "float8_e4m3fn"],
                     help="an 8-bit KV pool (default: bfloat16, the model's dtype)")
+    ap.add_argument("--weights", default=None, choices=WEIGHT_CHOICES,
+                    help="quantized weights (fp8-experts: Moondream 3.1's published layout)")
     ap.add_argument("--cost-model", action="store_true",
                     help="only the decode byte model (no compiles, no libtpu)")
     ap.add_argument("--lower-only", action="store_true",
@@ -431,7 +433,7 @@ def main() -> None:
     else:
         runs = [(m, t) for m in args.models for t in args.topologies]
     for name, topology in runs:
-        cfg = CONFIGS[name]().with_dtype("bfloat16")
+        cfg = with_weights(CONFIGS[name]().with_dtype("bfloat16"), args.weights)
         if topology is None:
             chip, devices = "v5e", None
             a = serving_args(cfg, 4, None, kv_cache_tokens=4 * cfg.text.max_context,
@@ -454,6 +456,7 @@ def main() -> None:
                 continue
         info = {"model": name, "topology": topology or "lowered for TPU", "batch": batch,
                 "kv_cache_tokens": a["plan"].kv_cache_tokens,
+                "weights": cfg.weights.describe(), "weights_bytes": a["plan"].weights,
                 "kv_dtype": args.kv_dtype or "bfloat16"}
         for prog, fields, fn, call_args in program_calls(cfg, a, batch, args.grouped,
                                                          None if topology is None else tp):

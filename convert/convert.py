@@ -7,8 +7,14 @@ source tensor and its converted copy.
 
 The family (Moondream 2 or 3) comes from config.json (`model_type`, or Moondream 3-only keys)
 and from the tensor names (tau, router, region LayerNorm: Moondream 3 whatever config.json
-says); a Moondream 3 config is merged onto the Moondream 3 defaults.  fp8 expert checkpoints
-are refused (see `_MD3_BF16_HINT`).
+says); a Moondream 3 config is merged onto the Moondream 3 defaults.
+
+Quantized weights (`photon_jax.model.quant`).  The published quantized layouts (Moondream
+3.1's and 3-preview's FP8 experts, Moondream 2's 4-bit text layers: `quantized.py`) are
+kept as they are published, code for code.  `weights` ("int8", "fp8", "int4") quantizes the
+weights still in float (`config.Weights.of`: the text linears, the experts, the head); the
+vision encoder stays in `dtype`.  The output's config.json records which leaves are
+quantized (`weights`), so loading needs no option.
 """
 
 from __future__ import annotations
@@ -25,23 +31,23 @@ import numpy as np
 
 from photon_jax.base.dtypes import canonical
 from photon_jax.model import checkpoint
-from photon_jax.model.config import ConfigError, from_hf_config_json, MoondreamConfig
-from photon_jax.model.params import flatten, param_shapes
+from dataclasses import asdict, replace
+
+from photon_jax.model import quant
+from photon_jax.model.config import ConfigError, from_hf_config_json, MoondreamConfig, Weights
+from photon_jax.model.params import flatten, param_shapes, param_specs, weight_format
 from photon_jax.model.tokenizer import load_tokenizer, TokenizerError
 
-from .names import Target, canonical_name, fp8_expert_names, hf_table, looks_md3, stored_shape
+from . import quantized
+from .names import Target, canonical_name, hf_table, looks_md3, stored_shape
 from .safetensors_io import DTYPES, SafetensorsError, index_checkpoint, read_tensor
 
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"   # 2: published quantized layouts, --weights
 _NP = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
 class ConvertError(ValueError):
     pass
-
-
-_MD3_BF16_HINT = ("convert the bf16 Hugging Face release (moondream/moondream3-preview, "
-                  "model*.safetensors) instead")
 
 
 def _leaf_shapes(cfg):
@@ -64,7 +70,16 @@ def plan(cfg: MoondreamConfig, tensors: dict) -> list[tuple[object, Target, bool
             continue
         full = leaves[tgt.path]
         want = stored_shape(full[1:] if tgt.layer is not None else full, tgt, transposed)
-        if ref.dtype not in DTYPES:
+        if isinstance(ref, quantized.Md2Pending):
+            if ref.groups * 128 != int(np.prod(want)):
+                misshapen.append(f"{name}: {ref.groups} groups of 128 values, expected "
+                                 f"{list(want)}")
+                continue
+            try:
+                ref = ref.resolve(want)
+            except quantized.QuantizedLayoutError as e:
+                raise ConvertError(str(e)) from None
+        if ref.dtype not in DTYPES and ref.dtype != "Q":
             bad_dtype.append(f"{name}: {ref.dtype}")
         if tuple(ref.shape) != want:
             misshapen.append(f"{name}: stored {list(ref.shape)}, expected {list(want)}")
@@ -97,6 +112,10 @@ def _short(items, n=12):
     return s + (f", ... ({len(items) - n} more)" if len(items) > n else "")
 
 
+def _read_float(ref) -> np.ndarray:
+    return ref.read_float() if hasattr(ref, "read_float") else read_tensor(ref)
+
+
 def _to_target(arr: np.ndarray, tgt: Target, transposed: bool, dt: np.dtype) -> np.ndarray:
     if tgt.transform == "T" or transposed:
         arr = np.swapaxes(arr, -1, -2)
@@ -104,6 +123,18 @@ def _to_target(arr: np.ndarray, tgt: Target, transposed: bool, dt: np.dtype) -> 
         arr = arr[0]
     # float16/bfloat16 -> float32 is exact; -> bfloat16 rounds to nearest even.
     return arr.astype(dt)
+
+
+def index_weights(hf_dir: str):
+    """(name -> tensor ref, weight files) of a snapshot: `model.safetensors` or a sharded
+    index, else kestrel's `model_fp8.pt` (a torch zip, read without torch)."""
+    pt = os.path.join(hf_dir, "model_fp8.pt")
+    if os.path.isfile(pt) and not any(os.path.isfile(os.path.join(hf_dir, f)) for f in (
+            "model.safetensors", "model.safetensors.index.json")):
+        from .torch_zip import index_torch_checkpoint
+
+        return index_torch_checkpoint(pt), [pt]
+    return index_checkpoint(hf_dir)
 
 
 def sha256_file(path: str) -> str:
@@ -116,11 +147,13 @@ def sha256_file(path: str) -> str:
 
 
 def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", tokenizer: str | None = None,
-            overwrite: bool = False, log=print) -> MoondreamConfig:
-    """Convert the HF snapshot `hf_dir` into a photon_jax checkpoint at `out_dir`."""
+            overwrite: bool = False, weights: str | None = None, log=print) -> MoondreamConfig:
+    """Convert the HF snapshot `hf_dir` into a photon_jax checkpoint at `out_dir`.
+    `weights`: quantize the float text weights ("int8", "fp8", "int4"; None: keep them)."""
     try:
         dtype = canonical(dtype)
-    except ValueError as e:
+        requested = Weights.of(weights)
+    except (ValueError, ConfigError) as e:
         raise ConvertError(str(e)) from None
     if not os.path.isdir(hf_dir):
         raise ConvertError(f"input directory not found: {hf_dir}")
@@ -150,22 +183,10 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", tokenizer: st
         load_tokenizer(tok_path)
     except TokenizerError as e:
         raise ConvertError(str(e)) from None
-    if (os.path.isfile(os.path.join(hf_dir, "model_fp8.pt"))
-            and not os.path.isfile(os.path.join(hf_dir, "model.safetensors"))):
-        raise ConvertError(f"{hf_dir}/model_fp8.pt is kestrel's fp8 torch pickle, which is not "
-                           "supported; " + _MD3_BF16_HINT)
     try:
-        tensors, files = index_checkpoint(hf_dir)
-    except SafetensorsError as e:
+        tensors, files = index_weights(hf_dir)
+    except (SafetensorsError, ValueError) as e:
         raise ConvertError(str(e)) from None
-    fp8 = fp8_expert_names(tensors) or sorted(
-        n for n, r in tensors.items() if r.dtype.startswith("F8"))
-    if fp8:
-        raise ConvertError(
-            f"fp8-quantized expert weights ({_short(fp8, 4)}): the fp8 layout of "
-            "moondream3.1-9B-A2B (scales per expert and output channel) is not documented "
-            "well enough to dequantize with confidence, so it is refused rather than guessed; "
-            + _MD3_BF16_HINT)
     if cfg.family != "moondream3" and looks_md3(tensors):
         # Weights with tau / router / region.ln tensors are Moondream 3 whatever config.json's
         # model_type says.
@@ -173,23 +194,52 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", tokenizer: st
             cfg = from_hf_config_json(cfg_json, dtype=dtype, md3=True)
         except ConfigError as e:
             raise ConvertError(f"{cfg_path}: {e}") from None
+    try:
+        tensors, published = quantized.group(tensors, cfg.text.n_heads)
+    except quantized.QuantizedLayoutError as e:
+        raise ConvertError(str(e)) from None
+    if cfg.weights.linear == "int4" and "int4" not in published:
+        raise ConvertError(
+            f"{cfg_path} sets text.group_size (Moondream 2's 4-bit layout: X.weight.packed, "
+            "X.weight.scale, X.weight.zero_point) but the weights are float; remove "
+            "group_size from config.json, or pass --weights int4 to quantize them")
+    found = Weights(linear="int4" if "int4" in published else "",
+                    experts="fp8" if "fp8 experts" in published else "")
+    try:
+        cfg = cfg.with_weights(found).with_weights(requested)
+    except ConfigError as e:
+        raise ConvertError(str(e)) from None
     work = plan(cfg, tensors)
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     index_files = [index] if os.path.isfile(index) else []
 
     # Validation done: build the output tree, one stored tensor at a time.
     dt = _NP[dtype]
-    leaves = {path: np.empty(shape, dt) for path, shape in _leaf_shapes(cfg).items()}
+    leaves = {path: np.empty(shape, sdt) for path, (shape, sdt) in
+              flatten(param_specs(cfg, dtype)).items()}
+
+    def put(path, arr):
+        if tgt.layer is None:
+            leaves[path][...] = arr
+        else:
+            leaves[path][tgt.layer] = arr
+
     for ref, tgt, transposed in work:
+        fmt = weight_format(tgt.path, cfg)
         try:
-            arr = _to_target(read_tensor(ref), tgt, transposed, dt)
+            if fmt and isinstance(ref, quantized.Quantized) and ref.fmt == fmt:
+                parts = ref.read_quant()          # as published, code for code
+            elif fmt:
+                parts = quant.quantize(_to_target(_read_float(ref), tgt, transposed,
+                                                  np.dtype(np.float32)), fmt)
+            else:
+                parts = None
+                put(tgt.path, _to_target(_read_float(ref), tgt, transposed, dt))
         except SafetensorsError as e:
             raise ConvertError(str(e)) from None
-        if tgt.layer is None:
-            leaves[tgt.path][...] = arr
-        else:
-            leaves[tgt.path][tgt.layer] = arr
-        del arr
+        for part, arr in (parts or {}).items():
+            put((*tgt.path, part), arr)
+        del parts
     # Hand orbax device arrays, one leaf at a time: given NumPy leaves it copies the whole tree
     # before writing (measured: peak = 2x the output), given jax.Arrays it does not.
     tree: dict = {}
@@ -212,6 +262,7 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", tokenizer: st
         provenance = {
             "converter_version": CONVERTER_VERSION,
             "dtype": dtype,
+            "weights": asdict(cfg.weights),
             "source_dir": os.path.abspath(hf_dir),
             "source_sha256": {os.path.basename(p): sha256_file(p)
                               for p in [*files, *index_files, cfg_path]},
@@ -226,6 +277,7 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", tokenizer: st
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"wrote {out_dir}: {provenance['n_params']:,} parameters ({dtype}) from "
-        f"{len(work)} tensors")
+    nbytes = sum(a.nbytes for a in jax.tree.leaves(tree))
+    log(f"wrote {out_dir}: {provenance['n_params']:,} values, {nbytes / 2**30:.2f} GiB "
+        f"({dtype}; quantized: {cfg.weights.describe()}) from {len(work)} tensors")
     return cfg

@@ -99,11 +99,6 @@ def looks_md3(names) -> bool:
     return any(_MD3_MARKERS.search(n) for n in names)
 
 
-def fp8_expert_names(names) -> list[str]:
-    """kestrel's fp8 expert format (moondream3.1-9B-A2B): quantized experts with scales."""
-    return sorted(n for n in names if "moe_quant." in n or n.endswith(("up_scale", "down_scale")))
-
-
 # Training-format name -> HF name.  Tensors marked "transpose" are stored transposed in that
 # format (the Fourier feature matrices are [F, I] there, [I, F] in the HF layout).
 _TRAINING = [
@@ -125,6 +120,15 @@ _TRAINING = [
     (r"region_model\.size_encoder\.(weight|bias)", r"region.size_encoder.\1"),
     (r"region_model\.coordinate_decoder\.(fc1|fc2)\.(weight|bias)", r"region.coord_decoder.\1.\2"),
     (r"region_model\.size_decoder\.(fc1|fc2)\.(weight|bias)", r"region.size_decoder.\1.\2"),
+    # kestrel's "md3" names (Moondream 3.1, 3-preview's model_fp8.pt): docs/quantized-formats.md
+    (r"text_model\.transformer\.h\.(\d+)\.gate\.(weight|bias)", r"text.blocks.\1.mlp.router.\2"),
+    (r"text_model\.transformer\.h\.(\d+)\.mlp\.experts\.weight", r"text.blocks.\1.mlp.fc1.weight"),
+    (r"text_model\.transformer\.h\.(\d+)\.mlp\.output_experts\.weight", r"text.blocks.\1.mlp.fc2.weight"),
+    (r"text_model\.transformer\.h\.(\d+)\.moe_quant\.(up_scale|down_scale)", r"text.blocks.\1.moe_quant.\2"),
+    (r"text_model\.transformer\.h\.(\d+)\.tau_(wqwv|wq|wv|alpha)", r"text.blocks.\1.attn.tau.\2"),
+    (r"region_model\.coordinate_head\.(weight|bias)", r"region.coord_decoder.\1"),
+    (r"region_model\.size_head\.(weight|bias)", r"region.size_decoder.\1"),
+    (r"region_model\.ln\.(weight|bias)", r"region.ln.\1"),
 ]
 _TRAINING_TRANSPOSED = {
     "region_model.coordinate_features.weight": "region.coord_features",

@@ -15,9 +15,12 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-# Storage dtypes we accept; anything else (int8, fp8, int4 packs...) is refused.
+# Float storage dtypes a weight may have; the codes and scales of the published quantized
+# layouts (convert/quantized.py) may also be these raw types.
 DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
           "BF16": np.dtype(ml_dtypes.bfloat16)}
+RAW_DTYPES = {**DTYPES, "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+              "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8)}
 
 
 class SafetensorsError(ValueError):
@@ -107,7 +110,10 @@ def index_checkpoint(hf_dir: str) -> tuple[dict[str, TensorRef], list[str]]:
 
 
 def read_tensor(ref: TensorRef) -> np.ndarray:
-    dt = DTYPES[ref.dtype]
+    dt = RAW_DTYPES.get(ref.dtype)
+    if dt is None:
+        raise SafetensorsError(f"{ref.file}: tensor {ref.name!r} has dtype {ref.dtype}, which "
+                               "no Moondream checkpoint uses")
     count = int(np.prod(ref.shape)) if ref.shape else 1
     if count * dt.itemsize != ref.nbytes:
         raise SafetensorsError(

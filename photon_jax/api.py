@@ -37,7 +37,7 @@ from .engine.frontend import EncodedImage
 from .engine.request import EngineError, Handle, Request, RequestError
 from .engine.settings import SettingsError, parse
 from .model import platforms, sharding
-from .model.config import MoondreamConfig
+from .model.config import MoondreamConfig, Weights
 from .model.loaded import Model
 from .model.pixels import ImageError
 from .model.sharding import make_mesh
@@ -88,7 +88,7 @@ class Moondream:
              prefix_cache: bool = True, device=None, workers: int = 2,
              compile_cache: bool = True, warmup: bool = False,
              attention: str | None = None, kv_dtype: str | None = None, mesh=None,
-             tensor_parallel: int | None = None) -> "Moondream":
+             tensor_parallel: int | None = None, weights: str | None = None) -> "Moondream":
         """Load a model and start its engine.  `path`: a directory written by
         `photon-convert`, a Hugging Face snapshot directory (config.json + model.safetensors
         or a sharded index), or a hub id such as "vikhyatk/moondream2" (`revision`: a branch,
@@ -128,9 +128,16 @@ class Moondream:
             devices, the weights split by output columns (experts by expert), the KV pool by
             kv heads; results equal one device's token for token (`photon_jax.model.sharding`).
         tensor_parallel: K, shorthand for a mesh over the first K local devices.
+        weights: "int8", "fp8" or "int4": the text model's linear layers, experts and LM head
+            held quantized on the device (`photon_jax.model.quant`; int4: the head int8),
+            quantized as they load; None keeps the checkpoint's weights (a checkpoint
+            converted with `photon-convert --weights`, or a published quantized one, is
+            already quantized).  Results differ slightly from the float weights
+            (docs/quantization.md gives the measured agreement).
         Nothing is downloaded but a hub id's files missing from the Hugging Face cache (and
         the starmie tokenizer, when the snapshot lacks it), unless HF_HUB_OFFLINE is set.
         """
+        Weights.of(weights)   # a bad value is refused before anything loads
         if tensor_parallel is not None:
             if mesh is not None:
                 raise ValueError("pass mesh or tensor_parallel, not both")
@@ -160,7 +167,7 @@ class Moondream:
                          weights_loaded=False)
 
         model = Model.load(os.fspath(path), dtype=dtype, device=device, attention=attention,
-                           mesh=mesh, preflight=preflight)
+                           mesh=mesh, weights=weights, preflight=preflight)
         engine = Engine(model, max_batch_size=max_batch_size, max_context=max_context,
                         kv_cache_tokens=kv_cache_tokens, prefix_cache=prefix_cache,
                         pipelined=pipelined, workers=workers, warmup=warmup,

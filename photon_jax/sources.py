@@ -328,11 +328,11 @@ def content_sha256(path: str) -> str:
 
 def _weights(snapshot: str):
     """(tensor refs, weight files), or (None, []) when the converter will refuse them."""
-    from .convert.safetensors_io import SafetensorsError, index_checkpoint
+    from .convert.convert import index_weights
 
     try:
-        return index_checkpoint(snapshot)
-    except SafetensorsError:
+        return index_weights(snapshot)
+    except ValueError:    # SafetensorsError, TorchZipError
         return None, []
 
 
@@ -346,9 +346,17 @@ def storage_dtype(dtype, tensors) -> str:
             return canonical(dtype)
         except ValueError as e:
             raise SourceError(str(e)) from None
-    if tensors is None or all(r.dtype == "BF16" for r in tensors.values()):
+    # Codes and scales of published quantized weights (int4 packs, fp8 experts) say nothing
+    # of the float weights' dtype: those stay as they are whatever the storage dtype.
+    floats = [] if tensors is None else [
+        r.dtype for n, r in tensors.items()
+        if r.dtype in ("F32", "F16", "BF16") and not n.endswith(_QUANT_SIDECARS)]
+    if all(d == "BF16" for d in floats):
         return "bfloat16"
     return "float32"   # float16 / float32 weights: float32 is exact
+
+
+_QUANT_SIDECARS = (".scale", ".zero_point", "up_scale", "down_scale")
 
 
 def cache_key(snapshot: str, files: list[str], tokenizer: str, dtype: str) -> str:

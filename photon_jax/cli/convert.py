@@ -21,6 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer", default=None,
                     help="tokenizer.json to bundle (default: HF_DIR/tokenizer.json); for the "
                     "2025-06-21 revision it comes from the moondream/starmie-v1 repo")
+    ap.add_argument("--weights", default=None, choices=["int8", "fp8", "int4"],
+                    help="quantize the text model's linear layers, experts and LM head (int8 "
+                    "and fp8: a scale per output channel; int4: scale and zero point per group "
+                    "of 128 inputs, head int8); the vision encoder stays in --dtype. Weights a "
+                    "checkpoint publishes quantized (Moondream 3.1 FP8 experts, Moondream 2 "
+                    "4-bit) are kept as published either way")
     ap.add_argument("--overwrite", action="store_true",
                     help="replace a non-empty OUT_DIR")
     return ap
@@ -32,6 +38,7 @@ def main(argv=None) -> int:
 
     try:
         convert(args.hf_dir, args.out_dir, dtype=args.dtype, tokenizer=args.tokenizer,
+                weights=args.weights,
                 overwrite=args.overwrite, log=lambda s: print(s, file=sys.stderr))
     except ConvertError as e:
         print(f"photon-convert: error: {e}", file=sys.stderr)

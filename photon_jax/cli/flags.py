@@ -39,6 +39,13 @@ def add_engine_flags(ap: argparse.ArgumentParser, *, warmup: bool,
                    help="store the KV cache as 8-bit codes with per-position scales: about "
                         "half a bfloat16 cache's bytes, so ~1.9x the tokens in the same "
                         "memory, at a small cost in fidelity (default: the model's dtype)")
+    g.add_argument("--weights", default=None, choices=["int8", "fp8", "int4"],
+                   help="hold the text model's linear layers, experts and LM head quantized "
+                        "(int8/fp8: a scale per output channel, ~1/2 of bfloat16's bytes; "
+                        "int4: groups of 128, head int8), quantized as the model loads; the "
+                        "freed memory goes to the KV cache (default: the checkpoint's own "
+                        "weights; a checkpoint converted with photon-convert --weights is "
+                        "already quantized)")
     g.add_argument("--tensor-parallel", type=int, default=tensor_parallel, metavar="K",
                    help="split one model over K devices (tensor parallel: weights by "
                         "columns, the KV cache by heads; the same answers as one device)")
@@ -73,5 +80,5 @@ def engine_options(args: argparse.Namespace) -> dict:
     devices are each command's)."""
     return dict(dtype=args.dtype, max_batch_size=args.batch_size,
                 max_context=args.max_context, kv_cache_tokens=args.kv_cache_tokens,
-                kv_dtype=args.kv_dtype, prefix_cache=args.prefix_cache,
+                kv_dtype=args.kv_dtype, weights=args.weights, prefix_cache=args.prefix_cache,
                 compile_cache=args.compile_cache, warmup=args.warmup, workers=args.workers)

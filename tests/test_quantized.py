@@ -1,0 +1,254 @@
+"""Quantized weights: the published layouts load as their owners' code reads them, and the
+quantized programs compute what the same weights dequantized compute.
+
+- Moondream 2's 4-bit release (tests/md2_int4_fixture.py builds a tiny one): the public
+  reference's greedy ids on it (tests/fixtures/moondream2-int4/golden.json, made by that
+  fixture's make_golden.py with torch) on the one-request path and through the engine, and
+  the reference's dequantized weight bit for bit.
+- Moondream 3.1 (`model.safetensors`) and 3-preview (`model_fp8.pt`) FP8 experts
+  (tests/quantized_checkpoints.py, kestrel's names): every skill gives what the same model
+  with the experts dequantized to bfloat16 gives.
+"""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from helpers import FIXTURE_DIR, MD3_FIXTURE_DIR
+from md2_int4_fixture import write_md2_int4
+from quantized_checkpoints import dequantized_md3, write_md3_fp8
+
+from photon_jax import Moondream
+from photon_jax.convert import ConvertError, convert
+from photon_jax.engine import reference as R
+from photon_jax.engine.settings import parse
+from photon_jax.model import quant
+from photon_jax.model.loaded import Model
+
+INT4_DIR = os.path.join(os.path.dirname(__file__), "fixtures", "moondream2-int4")
+
+
+@pytest.fixture(scope="module")
+def golden():
+    with open(os.path.join(INT4_DIR, "golden.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def int4_ckpt(tmp_path_factory, golden):
+    hf = tmp_path_factory.mktemp("md2-int4-hf")
+    sha = write_md2_int4(hf, seed=golden["checkpoint"]["seed"])
+    # The fixture writer is deterministic: the golden ids are of exactly these bytes.
+    assert sha == golden["checkpoint"]["model_safetensors_sha256"]
+    out = tmp_path_factory.mktemp("md2-int4") / "ckpt"
+    convert(str(hf), str(out), dtype="float32", log=lambda s: None)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def int4_model(int4_ckpt):
+    return Model.load(int4_ckpt)
+
+
+def test_int4_release_loads_as_4bit(int4_model):
+    cfg = int4_model.cfg
+    assert cfg.weights.linear == "int4" and not cfg.weights.head and not cfg.weights.region
+    layer = int4_model.params["text"]["blocks"][0]
+    assert set(layer["qkv"]["w"]) == {"q4", "s4", "z4"}
+    assert layer["qkv"]["w"]["q4"].dtype == np.uint8
+    # the head and the vision encoder are float, as published
+    assert not quant.is_quantized(int4_model.params["text"]["lm_head"]["w_vd"])
+
+
+def test_int4_unpacks_to_the_references_weight(int4_model, golden):
+    # The reference's own dequantized [out, in] weight (bf16 buffer, rounded twice).
+    want = np.load(os.path.join(INT4_DIR, "golden.npz"))
+    (key,) = [k for k in want.files if "fc2" in k]
+    w = int4_model.params["text"]["blocks"][0]["fc2"]["w"]
+    got = np.asarray(quant.dequantize(w, np.float32)).T
+    np.testing.assert_array_equal(got, want[key])
+
+
+def _image(golden, iid):
+    return os.path.join(os.path.dirname(__file__), "..", golden["images"][iid]["file"])
+
+
+@pytest.mark.parametrize("iid", ["sq378", "land800x600"])
+def test_int4_reference_greedy_ids(int4_model, golden, iid):
+    enc = R.encode_image(int4_model, _image(golden, iid))
+    s = parse({"temperature": 0, "max_tokens": golden["settings"]["max_tokens"]})
+    for case, ref in golden["fp32"][iid].items():
+        out = R.generate_text(int4_model, enc, ref["prompt_ids"], s)
+        assert out["ids"] == ref["ids"], (iid, case)
+
+
+def test_int4_engine_gives_the_reference_ids(int4_ckpt, golden):
+    ref = golden["fp32"]["sq378"]
+    with Moondream.load(int4_ckpt, max_batch_size=2, compile_cache=True) as md:
+        img = Image.open(_image(golden, "sq378"))
+        n = golden["settings"]["max_tokens"]
+        greedy = {"max_tokens": n, "temperature": 0}
+        outs = [md.caption(img, length=k, settings=greedy) for k in ("short", "normal")]
+        assert [o["caption"] for o in outs] == [ref["caption_short"]["text"],
+                                                 ref["caption_normal"]["text"]]
+        q = md.query(img, golden["settings"]["question_w"], settings=greedy)
+        assert q["answer"] == ref["query_w"]["text"]
+
+
+def test_int4_config_without_packed_weights_is_refused(tmp_path):
+    # group_size in config.json promises the 4-bit layout; float weights are a mismatch.
+    hf = tmp_path / "hf"
+    write_md2_int4(hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    from quantized_checkpoints import read_safetensors, write_safetensors
+    from md2_int4_fixture import dequantize_reference
+    t = read_safetensors(str(hf / "model.safetensors"))
+    for name in [n for n in t if n.endswith(".weight.packed")]:
+        base = name[: -len(".packed")]
+        out_in = (t[base[: -len(".weight")] + ".bias"].shape[0], -1)
+        g = t[base + ".scale"].shape[0]
+        shape = (out_in[0], g * 128 // out_in[0])
+        t[base] = dequantize_reference(t.pop(name), t.pop(base + ".scale"),
+                                       t.pop(base + ".zero_point"), shape)
+    write_safetensors(str(hf / "model.safetensors"), t)
+    with pytest.raises(ConvertError, match="group_size"):
+        convert(str(hf), str(tmp_path / "out"), log=lambda s: None)
+    # ... and with group_size removed, the float weights convert (and --weights int4 works)
+    cfg["config"]["text"]["group_size"] = None
+    (hf / "config.json").write_text(json.dumps(cfg))
+    c = convert(str(hf), str(tmp_path / "out"), weights="int4", log=lambda s: None)
+    assert c.weights.linear == "int4" and c.weights.head == "int8"
+
+
+# -- Moondream 3.1 / 3-preview FP8 experts ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def md3_fp8(tmp_path_factory):
+    """{name: converted checkpoint}: the FP8 release layouts and the dequantized reference."""
+    root = tmp_path_factory.mktemp("md3-fp8")
+    out = {}
+    for name, write in (
+            ("safetensors", lambda d: write_md3_fp8(MD3_FIXTURE_DIR, d)),
+            ("pt", lambda d: write_md3_fp8(MD3_FIXTURE_DIR, d, container="pt", fused_tau=False)),
+            ("dequantized", lambda d: dequantized_md3(MD3_FIXTURE_DIR, d))):
+        hf = root / f"{name}-hf"
+        write(str(hf))
+        out[name] = str(root / name)
+        convert(str(hf), out[name], dtype="bfloat16", log=lambda s: None)
+    return out
+
+
+def test_fp8_release_keeps_its_codes(md3_fp8):
+    for name in ("safetensors", "pt"):
+        m = Model.load(md3_fp8[name], dtype="bfloat16")
+        assert m.cfg.weights.experts == "fp8" and not m.cfg.weights.linear
+        layer = m.params["text"]["moe_blocks"][0]["moe"]
+        assert layer["fc1"]["q"].dtype == jax.numpy.float8_e4m3fn
+        assert layer["fc1"]["s"].dtype == np.float32
+        # the dense layers, router and tau stay bf16
+        assert m.params["text"]["moe_blocks"][0]["qkv"]["w"].dtype == jax.numpy.bfloat16
+
+
+def _skills(path):
+    img = Image.open(os.path.join(MD3_FIXTURE_DIR, "img_sq378.png"))
+    with Moondream.load(path, dtype="bfloat16", max_batch_size=2, compile_cache=True) as md:
+        greedy = {"max_tokens": 10, "temperature": 0}
+        return [md.caption(img, length="short", settings=greedy),
+                md.query(img, "w100 w200", settings=greedy),
+                md.detect(img, "w300", settings={"max_objects": 3}),
+                md.point(img, "w300", settings={"max_objects": 3})]
+
+
+def test_fp8_release_equals_its_dequantized_weights(md3_fp8):
+    # bf16(f32(code) * scale): the quantized program widens exactly so, next to the product.
+    want = _skills(md3_fp8["dequantized"])
+    assert _skills(md3_fp8["safetensors"]) == want
+    assert _skills(md3_fp8["pt"]) == want
+
+
+# -- the layouts, the config and the plan (no compiles) ----------------------------------------
+
+def test_quantize_dequantize_bounds_and_host_device_agree():
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(256, 48)).astype(np.float32)
+    w[:, 3] = 0.0                                      # an all-zero channel: scale 1
+    for fmt, bound in (("int8", 0.5 / 127), ("fp8", 1 / 16), ("int4", 0.5 / 15 + 2 ** -8)):
+        q = quant.quantize(w, fmt)
+        qj = quant.quantize(jnp.asarray(w), fmt, xp=jnp)
+        for k in q:   # the same codes on the host (conversion) and the device (load)
+            np.testing.assert_array_equal(np.asarray(qj[k]).view(np.uint8), q[k].view(np.uint8))
+        back = np.asarray(quant.dequantize(q, np.float32, xp=np))
+        if fmt == "int4":
+            g = w.reshape(2, 128, 48)
+            span = (g.max(1) - g.min(1))[:, None, :]
+            err = np.abs(back.reshape(2, 128, 48) - g) / np.maximum(span, 1e-30)
+        else:
+            err = np.abs(back - w) / np.maximum(np.abs(w).max(0), 1e-30)
+        assert err.max() <= bound, (fmt, err.max())
+        assert np.all(back[:, 3] == 0)
+        # the device widening is the host's, bit for bit
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(qj, jnp.float32)), back)
+
+
+def test_int4_nibble_order_and_group_of_small_layers():
+    codes = np.arange(8 * 3, dtype=np.uint8).reshape(8, 3) % 16
+    packed = quant.pack_nibbles(codes)
+    assert packed.shape == (4, 3)
+    np.testing.assert_array_equal(packed & 15, codes[:4])
+    np.testing.assert_array_equal(packed >> 4, codes[4:])
+    assert quant.group_size(2048) == 128 and quant.group_size(64) == 64
+    assert quant.specs((3, 64, 10), "int4")["s4"][0] == (3, 1, 10)
+
+
+def test_weights_config_round_trips_and_bad_values_are_named():
+    from photon_jax.model.config import ConfigError, MoondreamConfig, Weights, tiny, tiny_md3
+
+    c = tiny_md3().with_weights("int4")
+    assert c.weights == Weights(linear="int4", experts="int4", head="int8")
+    assert MoondreamConfig.from_dict(c.to_dict(), base=tiny_md3()) == c
+    assert tiny().with_weights("fp8").weights.experts == ""      # no experts to quantize
+    # a published format stays; the request fills the rest
+    pub = tiny_md3().with_weights(Weights(experts="fp8")).with_weights("int8")
+    assert pub.weights == Weights(linear="int8", experts="fp8", head="int8")
+    with pytest.raises(ConfigError, match="weights='int3'.*int8, fp8, int4"):
+        Weights.of("int3")
+    with pytest.raises(ValueError, match="weights='nf4'"):
+        Moondream.load("/nonexistent/never/read", weights="nf4")
+
+
+def test_memory_plan_counts_codes_and_scales():
+    from photon_jax.engine import memory
+    from photon_jax.model.config import Weights, moondream3
+
+    md3 = moondream3()
+    full = memory.weight_bytes(md3)
+    fp8 = memory.weight_bytes(md3.with_weights(Weights(experts="fp8")))
+    e = md3.text.moe
+    experts = md3.text.n_moe * e.num_experts * 3 * e.expert_inner_dim * md3.text.dim
+    scales = md3.text.n_moe * e.num_experts * (2 * e.expert_inner_dim + md3.text.dim) * 4
+    assert full - fp8 == experts * 2 - (experts + scales)          # bf16 -> 1 byte + scales
+    # on a 4-chip mesh each chip holds a quarter of the experts, codes and scales alike
+    fp8_4 = memory.weight_bytes(md3.with_weights(Weights(experts="fp8")), mesh_size=4)
+    assert memory.weight_bytes(md3, mesh_size=4) - fp8_4 == (experts * 2 - experts - scales) // 4
+
+
+def test_quantized_parts_split_with_their_weight():
+    from jax.sharding import PartitionSpec as P
+
+    from photon_jax.model.sharding import AXIS, param_spec
+
+    assert param_spec(("text", "blocks", "qkv", "w", "q"), (64, 192), 2) == P(None, AXIS)
+    assert param_spec(("text", "blocks", "qkv", "w", "s"), (192,), 2) == P(AXIS)
+    assert param_spec(("text", "blocks", "fc2", "w", "s4"), (2, 64), 2) == P(None, AXIS)
+    assert param_spec(("text", "lm_head", "w_vd", "q"), (100, 64), 2) == P(AXIS, None)
+    assert param_spec(("text", "lm_head", "w_vd", "s"), (100,), 2) == P(AXIS)
+    assert param_spec(("text", "moe_blocks", "moe", "fc1", "q"), (8, 64, 64), 2) == \
+        P(AXIS, None, None)
+    assert param_spec(("text", "moe_blocks", "moe", "fc1", "s"), (8, 64), 2) == P(AXIS, None)
+    assert param_spec(("vision", "blocks", "qkv", "w"), (16, 48), 2) == P()
