@@ -145,6 +145,12 @@ def build_model(name: str, eos_bias: float = 0.0, dtype: str | None = None,
     return model
 
 
+def label_of(model) -> str:
+    """What tells a benchmark model apart in a side-by-side run: its quantized weights, its
+    KV pool format, else its dtype."""
+    return getattr(model, "bench_weights", None) or kv_dtype_of(model) or model.cfg.dtype
+
+
 def kv_dtype_of(model):
     """The KV pool format of a benchmark model (`build_model`)."""
     return getattr(model, "bench_kv_dtype", None)
@@ -335,12 +341,16 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, list) else ca
     t, itemsize = cfg.text, jnp.dtype(cfg.dtype).itemsize
-    text_w = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params["text"]))
+    # Bytes as stored: a quantized weight's codes and scales (`model.quant`).
+    def nbytes(tree):
+        return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(tree))
+
     region = params["region"]
-    region_w = sum(int(np.prod(x.shape)) for k in ("coord_encoder", "size_encoder",
-                                                   "coord_features", "size_features")
-                   for x in jax.tree.leaves(region[k]))
-    weights = (text_w - t.vocab_size * t.dim + batch * t.dim + region_w) * itemsize
+    region_w = sum(nbytes(region[k]) for k in ("coord_encoder", "size_encoder",
+                                               "coord_features", "size_features"))
+    weights = (nbytes(params["text"]) - (t.vocab_size - batch) * t.dim * itemsize
+               + region_w)
     # (An 8-bit pool's attended KV: its codes and their scales.)
     kv = batch * (position + 1) * memory.bytes_per_token(cfg, kv_dtype=kv_dtype)
     logits = batch * t.vocab_size * 4
@@ -383,9 +393,14 @@ def engine_run(model, enc, batch: int, steps: int, pipelined: bool, host_work_ms
     # An accelerator's default pool is most of its memory; the run needs only this much.
     tokens = None if jax.devices()[0].platform == "cpu" else \
         run_tokens(batch, start(model, prompt_tokens) + steps + 1)
+    # One prefill of every row's prompt (what the run's schedule needs, padding included:
+    # the engine holds a prefill to prefill_tokens computed positions), not batch x the
+    # context, which the memory plan would budget as a workspace of that many positions.
+    from photon_jax.engine.step import prefill_row_bucket, prompt_bucket
+
     eng = Engine(model, max_batch_size=batch, pipelined=pipelined, host_work_ms=host_work_ms,
-                 prefill_tokens=batch * model.cfg.text.max_context, kv_cache_tokens=tokens,
-                 kv_dtype=kv_dtype_of(model))
+                 prefill_tokens=prefill_row_bucket(batch, batch) * prompt_bucket(prompt_tokens),
+                 kv_cache_tokens=tokens, kv_dtype=kv_dtype_of(model))
     try:
         for h in eng.submit_many(requests(model, enc, batch, steps,
                                           prompt_tokens=prompt_tokens)):
@@ -536,6 +551,7 @@ def measure(model, config: str, batch: int, steps: int, mode: str, reps: int,
     return {
         "kind": "loops", "config": config, "batch": batch, "mode": mode, "steps": steps,
         "kv_dtype": kv_dtype_of(model) or model.cfg.dtype,
+        "weights": model.cfg.weights.describe(),
         "first_position": start(model, prompt_tokens),
         "blocking_tok_s": round(b, 1), "pipelined_tok_s": round(p, 1),
         "ceiling_tok_s": round(c, 1), "host_ms": r(hb), "host_pipelined_ms": r(hp),

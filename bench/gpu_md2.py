@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--md3-only", action="store_true", help="only the Moondream 3 row")
     ap.add_argument("--kv-dtype", default=None, choices=["int8", "float8_e4m3fn"],
                     help="an 8-bit KV pool (default: the model's dtype)")
+    ap.add_argument("--weights", default=None, choices=["int8", "fp8", "int4"],
+                    help="the random weights quantized (`model.quant`; default: bfloat16)")
     ap.add_argument("--md3-loops", action="store_true",
                     help="the engine loops for Moondream 3 too (default: its ceiling only)")
     ap.add_argument("--trace", metavar="DIR", help="write a 5-step profiler trace here")
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
                                 "full model does not fit this device"}
             CONFIGS[config + "_fit"] = lambda cfg=cfg: cfg
             config = config + "_fit"
-        model = build_model(config, kv_dtype=args.kv_dtype)
+        model = build_model(config, kv_dtype=args.kv_dtype, weights=args.weights)
         prompt = max(1, args.position - model.cfg.prefix_len)
         for batch in args.batch:
             t0 = time.perf_counter()
@@ -147,7 +149,7 @@ def main(argv=None) -> int:
             print(json.dumps({**row, "kind": "gpu", "config": config.removesuffix("_fit"),
                               "batch": batch, "first_position": model.cfg.prefix_len + prompt,
                               "kv_dtype": kv_dtype_of(model) or model.cfg.dtype,
-                              **note, "seconds": round(time.perf_counter() - t0, 1),
+                              "weights": model.cfg.weights.describe(), **note, "seconds": round(time.perf_counter() - t0, 1),
                               "total_seconds": round(time.perf_counter() - t_start, 1),
                               **env_info()}), flush=True)
         del model

@@ -29,7 +29,9 @@ that overruns is killed and the next one starts:
            the run (`bench/gpu_md2.py --md3-only --md3-loops`)
   md2_fp8  the md2 step with float8_e4m3fn K/V (`--kv-dtype`), on whatever time the steps
            above left; then Moondream 3's MoE schedules timed on one full-size layer
-           (`bench/moe.py --layer md3`: dense, blocks, ragged_dot at 1, 746, 2048 tokens)
+           (`bench/moe.py --layer md3`: dense, blocks, ragged_dot at 1, 746, 2048 tokens);
+           then the md2 ceiling with int8 weights (`--weights int8`) at batch 1/8/32, in
+           this step because the device returns 8 files
 
 Every step shares one persistent compile cache (`--work`/xla).  Output folder (`--out`,
 default $OUT): `summary.jsonl`, one line per step (status, seconds, allotment, and the
@@ -59,7 +61,8 @@ STEPS = [
     ("caption", 100, 240, "photon-caption images/s at full size, 24 images"),
     ("md3", 30, 240, "Moondream 3 full size, batch 1/32, pool sized to the run"),
     # No time of its own: it runs on what the steps above left of the budget.
-    ("md2_fp8", 0, 240, "Moondream 2 full size, batch 1/8/32, float8 K/V (if time is left)"),
+    ("md2_fp8", 0, 240, "Moondream 2 full size, batch 1/8/32, float8 K/V, then int8 weights "
+                        "(if time is left)"),
 ]
 BUDGET_S = 480
 
@@ -232,6 +235,12 @@ def step_md2_fp8(smoke: bool, work: str) -> None:
     # full-size layer, which picks GPU's prefill schedule (`platforms.default_grouped`).
     _bench("moe.py", ["--tokens", "1", "--reps", "1", "--no-full"] if smoke else
            ["--layer", "md3", "--tokens", "1", "746", "2048", "--reps", "5", "--no-full"])
+    # Then int8 weights (`model.quant`): the ceiling at batch 1/8/32, its bytes against the
+    # bf16 rows of the md2 step.
+    _bench("gpu_md2.py", ["--config", "tiny", "--batch", "2", "--steps", "2", "--position",
+                          "760", "--no-md3", "--ceiling-only", "--weights", "int8"] if smoke
+           else ["--batch", "1", "8", "32", "--steps", "32", "--no-md3", "--ceiling-only",
+                 "--weights", "int8"])
 
 
 CHILD = {"env": step_env, "kernels": step_kernels, "engine": step_engine, "md2": step_md2,

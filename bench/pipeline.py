@@ -54,7 +54,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (CONFIGS, CPU_ALLOCATOR_ENV, RESULTS, ROOT, build_model,  # noqa: E402
-                    ceiling_run, decode_cost, engine_run, env_info, kv_dtype_of, measure,
+                    ceiling_run, decode_cost, engine_run, env_info, kv_dtype_of, label_of, measure,
                     median, prefix, requests, start)
 
 
@@ -170,12 +170,14 @@ def kv_side_by_side(models, config: str, batch: int, steps: int, mode: str, reps
     for _ in range(reps):
         for i, m in enumerate(models):
             runs[i].append(ceiling_run(m, batch, steps, warm=True))
-    names = [kv_dtype_of(m) or m.cfg.dtype for m in models]
+    names = [label_of(m) for m in models]
     tok = {n: round(median(runs[i]), 1) for i, n in enumerate(names)}
     costs = {n: decode_cost(m.cfg, batch, start(m) + steps // 2,
                             platform_=jax.devices()[0].platform, attention=m.attention,
                             kv_dtype=kv_dtype_of(m)) for n, m in zip(names, models)}
-    return {"kind": "kv_side_by_side", "config": config, "batch": batch, "mode": mode,
+    kind = "weights_side_by_side" if any(getattr(m, "bench_weights", None) for m in models) \
+        else "kv_side_by_side"
+    return {"kind": kind, "config": config, "batch": batch, "mode": mode,
             "steps": steps, "reps": reps, "ceiling_tok_s": tok,
             "over_first": {n: round(t / tok[names[0]], 3) for n, t in tok.items()},
             "bytes_accessed": {n: c["bytes_accessed"] for n, c in costs.items()},
@@ -205,7 +207,11 @@ def child(args) -> None:
 
     kv_dtypes = args.kv_dtype or [None]
     for config in args.config:
-        models = [build_model(config, kv_dtype=kv) for kv in kv_dtypes]
+        if args.weights:
+            models = [build_model(config, kv_dtype=kv_dtypes[0], weights=w)
+                      for w in args.weights]
+        else:
+            models = [build_model(config, kv_dtype=kv) for kv in kv_dtypes]
         for batch in args.batch:
             for model in models:
                 emit(measure(model, config, batch, args.steps, args.mode, args.reps))
@@ -290,6 +296,11 @@ def main(argv=None) -> int:
                          "its name), int8 or float8_e4m3fn; several: each is measured, then "
                          "their ceilings are timed in turns (a \"kv_side_by_side\" line per "
                          "batch)")
+    ap.add_argument("--weights", nargs="+", default=None,
+                    choices=["float32", "bfloat16", "int8", "fp8", "int4"],
+                    help="the same random weights in each of these formats (float32: as "
+                         "drawn; int8 / fp8 / int4: quantized, `model.quant`), side by side "
+                         "as --kv-dtype's formats are")
     ap.add_argument("--side-reps", type=int, default=7,
                     help="rounds of the side-by-side ceiling runs (several --kv-dtype)")
     ap.add_argument("--mode", help=argparse.SUPPRESS)   # set in the child process
@@ -319,6 +330,8 @@ def main(argv=None) -> int:
                "--batch", *map(str, args.batch)]
         if args.kv_dtype:
             cmd += ["--kv-dtype", *args.kv_dtype, "--side-reps", str(args.side_reps)]
+        if args.weights:
+            cmd += ["--weights", *args.weights, "--side-reps", str(args.side_reps)]
         if args.host_work:
             cmd += ["--host-work", *map(str, args.host_work)]
         # The zombie tax is a property of the schedule, not of where XLA runs: one mode.

@@ -78,8 +78,13 @@ def test_gpu_run_smoke_runs_every_step_on_cpu(tmp_path):
         assert key in md2
     assert md3["ceiling_tok_s"] > 0 and md3["first_position"] == 760
     assert [c["pass"] for c in res["caption"]] == ["cold", "warm"]
-    fp8 = [x for x in res["md2_fp8"] if x.get("kind") != "moe"][-1]
+    gpu_rows = [x for x in res["md2_fp8"] if x.get("kind") == "gpu"]
+    fp8 = [x for x in gpu_rows if x["kv_dtype"] == "float8_e4m3fn"][-1]
     assert fp8["kv_dtype"] == "float8_e4m3fn" and md2["kv_dtype"] == "float32"
+    # ... and last, int8 weights: their bytes against the float32 step's
+    w8 = gpu_rows[-1]
+    assert w8["weights"] == "linear int8, head int8" and w8["ceiling_tok_s"] > 0
+    assert w8["weights_bytes"] < md2["weights_bytes"] / 2
     # The last step then times the MoE schedules (one layer; small on CPU).
     moe_rows = [x for x in res["md2_fp8"] if x.get("kind") == "moe"]
     assert {x["schedule"] for x in moe_rows} >= {"dense", "blocks", "ragged", "chosen"}

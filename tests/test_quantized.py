@@ -7,7 +7,8 @@ quantized programs compute what the same weights dequantized compute.
   the reference's dequantized weight bit for bit.
 - Moondream 3.1 (`model.safetensors`) and 3-preview (`model_fp8.pt`) FP8 experts
   (tests/quantized_checkpoints.py, kestrel's names): every skill gives what the same model
-  with the experts dequantized to bfloat16 gives.
+  with the experts dequantized to bfloat16 gives, and both containers convert to the same
+  checkpoint.
 """
 
 import json
@@ -160,19 +161,31 @@ def _skills(path):
         return [md.caption(img, length="short", settings=greedy),
                 md.query(img, "w100 w200", settings=greedy),
                 md.detect(img, "w300", settings={"max_objects": 3}),
-                md.point(img, "w300", settings={"max_objects": 3})]
+                md.point(img, "w300", settings={"max_objects": 3}),
+                md.segment(img, "w7", settings=greedy)]
 
 
 def test_fp8_release_equals_its_dequantized_weights(md3_fp8):
     # bf16(f32(code) * scale): the quantized program widens exactly so, next to the product.
-    want = _skills(md3_fp8["dequantized"])
-    assert _skills(md3_fp8["safetensors"]) == want
-    assert _skills(md3_fp8["pt"]) == want
+    assert _skills(md3_fp8["safetensors"]) == _skills(md3_fp8["dequantized"])
+
+
+def test_fp8_pt_and_safetensors_convert_to_the_same_checkpoint(md3_fp8):
+    # model_fp8.pt (torch zip, `._orig_mod` names, tau stored as wq + wv) holds what the 3.1
+    # safetensors (fused tau_wqwv) holds: the converted trees are equal leaf for leaf.
+    a = Model.load(md3_fp8["pt"], dtype="bfloat16").params
+    b = Model.load(md3_fp8["safetensors"], dtype="bfloat16").params
+    la, lb = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (path, x), (_, y) in zip(la, lb):
+        assert x.dtype == y.dtype, path
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8),
+                                      err_msg=str(path))
 
 
 # -- the layouts, the config and the plan (no compiles) ----------------------------------------
 
-def test_quantize_dequantize_bounds_and_host_device_agree():
+def test_quantize_dequantize_bounds_and_host_device_widen_alike():
     import jax.numpy as jnp
 
     rng = np.random.default_rng(0)
@@ -180,9 +193,7 @@ def test_quantize_dequantize_bounds_and_host_device_agree():
     w[:, 3] = 0.0                                      # an all-zero channel: scale 1
     for fmt, bound in (("int8", 0.5 / 127), ("fp8", 1 / 16), ("int4", 0.5 / 15 + 2 ** -8)):
         q = quant.quantize(w, fmt)
-        qj = quant.quantize(jnp.asarray(w), fmt, xp=jnp)
-        for k in q:   # the same codes on the host (conversion) and the device (load)
-            np.testing.assert_array_equal(np.asarray(qj[k]).view(np.uint8), q[k].view(np.uint8))
+        qj = {k: jnp.asarray(v) for k, v in q.items()}
         back = np.asarray(quant.dequantize(q, np.float32, xp=np))
         if fmt == "int4":
             g = w.reshape(2, 128, 48)
@@ -252,3 +263,76 @@ def test_quantized_parts_split_with_their_weight():
         P(AXIS, None, None)
     assert param_spec(("text", "moe_blocks", "moe", "fc1", "s"), (8, 64), 2) == P(AXIS, None)
     assert param_spec(("vision", "blocks", "qkv", "w"), (16, 48), 2) == P()
+
+
+def test_weights_flags_refuse_bad_values_by_name(capsys):
+    from photon_jax.cli import caption, convert as convert_cli, serve
+    from photon_jax.cli.flags import engine_options
+
+    for parser, argv in ((caption.build_parser(), ["imgs", "--model", "m"]),
+                         (serve.build_parser(), ["--model", "m"]),
+                         (convert_cli.build_parser(), ["in", "out"])):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*argv, "--weights", "int3"])
+        assert "--weights" in capsys.readouterr().err
+        args = parser.parse_args([*argv, "--weights", "int8"])
+        assert args.weights == "int8"
+    assert engine_options(caption.build_parser().parse_args(
+        ["imgs", "--model", "m", "--weights", "fp8"]))["weights"] == "fp8"
+
+
+def test_load_time_quantization_equals_converted(tmp_path):
+    # Model.load(weights=) quantizes on the device what photon-convert --weights does on the
+    # host: the same codes and scales, leaf for leaf.
+    float_ckpt, int4_ckpt = str(tmp_path / "f"), str(tmp_path / "q")
+    convert(MD3_FIXTURE_DIR, float_ckpt, dtype="float32", log=lambda s: None)
+    convert(MD3_FIXTURE_DIR, int4_ckpt, dtype="float32", weights="int4", log=lambda s: None)
+    a = Model.load(float_ckpt, weights="int4")
+    b = Model.load(int4_ckpt)
+    assert a.cfg == b.cfg and a.cfg.weights.experts == "int4"
+    la, lb = jax.tree.leaves_with_path(a.params), jax.tree.leaves_with_path(b.params)
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (path, x), (_, y) in zip(la, lb):
+        assert x.dtype == y.dtype, path
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8),
+                                      err_msg=str(path))
+
+
+# -- fidelity: quantized against float weights, teacher-forced -----------------------------------
+
+# Measured here (the fixture model, float32, short-caption prompt, 12 greedy steps): top-1
+# agreement 1.0 for every format; max |logit error| / logit range 3.6e-3 (int8), 1.8e-2 (fp8),
+# 5.2e-2 (int4).  Bounds at ~2x (fp8 shares int8's layout and kernel path and is left to
+# bench/weights.py, to keep the suite short).  One scale 10% off in every layer's fc1 (int8)
+# gives 1.6e-2: the int8 bound catches it.  (bench/weights.py measures the small and
+# full-size models.)
+WEIGHT_FIDELITY_BOUNDS = {"int8": 8e-3, "int4": 0.1}
+
+
+def test_fidelity_of_quantized_weights_is_bounded_and_a_broken_scale_fails(tiny_ckpt):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    import kv8
+
+    base = Model.load(tiny_ckpt)
+    prompt = base.prompts.caption("short")
+    ref, fed = kv8.teacher_force(base, None, prompt, R.encode_image(base, kv8.IMAGE),
+                                 greedy_steps=12)
+    n = len(prompt)
+
+    def fidelity(model):
+        got, _ = kv8.teacher_force(model, None, fed, R.encode_image(model, kv8.IMAGE))
+        return kv8.fidelity(ref[n:], got[n:])
+
+    for fmt, bound in WEIGHT_FIDELITY_BOUNDS.items():
+        f = fidelity(Model.load(tiny_ckpt, weights=fmt))
+        assert f["top1_agreement"] >= 11 / 12, (fmt, f)
+        assert f["max_rel_logit_error"] < bound, (fmt, f)
+
+    m = Model.load(tiny_ckpt, weights="int8")
+    p = jax.tree.map(lambda x: x, m.params)
+    for layer in p["text"]["blocks"]:
+        layer["fc1"]["w"] = dict(layer["fc1"]["w"], s=layer["fc1"]["w"]["s"] * 1.1)
+    bad = fidelity(Model(m.cfg, p, m.prompts.tok))
+    assert bad["max_rel_logit_error"] > WEIGHT_FIDELITY_BOUNDS["int8"], bad

@@ -93,7 +93,8 @@ def slot_bytes(cfg: MoondreamConfig, max_batch_size: int, dtype=None) -> int:
 
 
 def prefill_token_bytes(cfg: MoondreamConfig, prefill_tokens: int = PREFILL_TOKENS,
-                        mesh_size: int = 1, dtype=None, grouped: str = "ragged") -> int:
+                        mesh_size: int = 1, dtype=None, grouped: str = "ragged",
+                        max_context: int | None = None) -> int:
     """Temporaries one prompt position of a prefill keeps live in its widest layer, on one
     chip of a `mesh_size` mesh (it = the dtype's bytes, D the width, I an expert's width):
 
@@ -108,8 +109,11 @@ def prefill_token_bytes(cfg: MoondreamConfig, prefill_tokens: int = PREFILL_TOKE
       output and the gated activation for every position (E/n x 3I x it: XLA fuses the
       float32 accumulations into the products; 0.39 MB a position at Moondream 3's shapes,
       746 and 2048 positions, measured in deviceless H200 compiles); a dense MLP holds fc1's output in float32, cast back, and its activation (ff x (4 + 2 it));
-    - the attention: float32 scores of the chip's query heads against at most an image
-      prefix plus the prefill's positions (n_heads / n x (prefix + prefill_tokens) x 4).
+    - the attention: float32 scores of the chip's query heads against the keys of the
+      position's own row -- at most an image prefix plus the prefill's positions, and at
+      most the row's context (`max_context`, rounded up to 256 positions: the gathered view
+      is whole pages) -- (n_heads / n x keys x 4).  Uncapped, a 32-row bench prefill of
+      32 x 1024 positions was budgeted as one 32768-position sequence (33.7 GB).
 
     Measured in deviceless compiles of 32-row prefills (2048 positions, after an image
     prefix): Moondream 3 on a v5e 2x2, 0.60 GB of temporaries per chip, against 2048 x this
@@ -127,7 +131,10 @@ def prefill_token_bytes(cfg: MoondreamConfig, prefill_tokens: int = PREFILL_TOKE
         mlp = t.ff_dim * (4 + 2 * it)
     split = mesh_size > 1 and t.n_kv_heads % mesh_size == 0
     heads = t.n_heads // mesh_size if split else t.n_heads
-    return mlp + heads * (cfg.prefix_len + prefill_tokens) * 4
+    keys = cfg.prefix_len + prefill_tokens
+    if max_context is not None:
+        keys = min(keys, -(-max_context // 256) * 256)
+    return mlp + heads * keys * 4
 
 
 def prefill_view_bytes(cfg: MoondreamConfig, max_batch_size: int,
@@ -176,7 +183,7 @@ def widened_bytes(cfg: MoondreamConfig, dtype=None, mesh_size: int = 1) -> int:
 
 def workspace_bytes(cfg: MoondreamConfig, dtype=None, prefill_tokens: int = PREFILL_TOKENS,
                     mesh_size: int = 1, max_batch_size: int = 1, kv_dtype=None,
-                    grouped: str = "ragged") -> int:
+                    grouped: str = "ragged", max_context: int | None = None) -> int:
     """A budget for XLA's temporaries: twice the largest single activation of an image
     prefill (the vision encoder's attention scores over all crops, or the text model's over
     the image prefix), or a prompt prefill of `prefill_tokens` positions over up to
@@ -189,7 +196,7 @@ def workspace_bytes(cfg: MoondreamConfig, dtype=None, prefill_tokens: int = PREF
     text = t.n_heads * cfg.prefix_len ** 2 * 4
     mlp = cfg.prefix_len * max(t.ff_dim, v.enc_ff_dim * crops) * 4
     prefill = (prefill_tokens * prefill_token_bytes(cfg, prefill_tokens, mesh_size, dtype,
-                                                    grouped)
+                                                    grouped, max_context)
                + prefill_view_bytes(cfg, max_batch_size, prefill_tokens, mesh_size, dtype,
                                     kv_dtype))
     return max(MIN_WORKSPACE, 2 * max(vision, text, mlp), prefill) + widened_bytes(
@@ -261,7 +268,7 @@ def plan(cfg: MoondreamConfig, *, platform, max_batch_size: int, max_context: in
     weights = weight_bytes(cfg, dtype, mesh_size)
     slots = slot_bytes(cfg, max_batch_size, dtype)
     work = workspace_bytes(cfg, dtype, prefill_tokens, mesh_size, max_batch_size, kv_dtype,
-                           rec.grouped)
+                           rec.grouped, max_context)
     row_pages = pages_for(max_context, page_size)
     if kv_cache_tokens is None:
         if rec.host_memory:

@@ -224,9 +224,11 @@ def flatten(tree: dict) -> dict:
 
 def quantize_params(params: dict, cfg: MoondreamConfig, free: bool = False) -> dict:
     """A float checkpoint-layout tree -> the tree of `cfg.weights`: each leaf that
-    `weight_format` names is quantized where it lies (`quant.quantize` in jax.numpy; leaves
-    already quantized stay).  `free`: delete each float leaf once quantized (peak: the tree
-    plus one leaf's codes)."""
+    `weight_format` names is quantized on the host (`quant.quantize` in NumPy, as the
+    converter does, so a checkpoint quantized at load holds the converter's codes bit for
+    bit; XLA:CPU's division inside a fused program is not IEEE-exact and moved one int4 code
+    of 8192) and placed back on the leaf's device; leaves already quantized stay.  `free`:
+    delete each float leaf once quantized (peak: the tree plus one leaf's codes)."""
     from . import quant
 
     out: dict = {}
@@ -236,10 +238,10 @@ def quantize_params(params: dict, cfg: MoondreamConfig, free: bool = False) -> d
             node = node.setdefault(k, {})
         fmt = weight_format(path, cfg)
         if fmt and not quant.is_quantized(leaf):
-            q = quant.quantize(leaf, fmt, xp=jnp)
+            dev = next(iter(leaf.devices())) if isinstance(leaf, jax.Array) else None
+            q = quant.quantize(np.asarray(leaf, np.float32), fmt)
             if free and isinstance(leaf, jax.Array):
-                jax.block_until_ready(q)
                 leaf.delete()
-            leaf = q
+            leaf = jax.device_put(q, dev)
         node[path[-1]] = leaf
     return out

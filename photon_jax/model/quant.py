@@ -108,9 +108,9 @@ def nbytes(shape: tuple[int, ...], fmt: str | None, dtype) -> int:
 # -- making codes -------------------------------------------------------------------------
 
 def quantize(w, fmt: str, xp=np) -> dict:
-    """A float weight [..., K, N] -> its quantized dict.  `xp`: numpy (conversion, on the
-    host) or jax.numpy (`Model.load(weights=)`, on the device); the same float32 ops either
-    way, so both give the same codes."""
+    """A float weight [..., K, N] -> its quantized dict.  `xp`: NumPy (what conversion and
+    `Model.load(weights=)` use, on the host) or jax.numpy (inside a program; XLA:CPU's
+    division in a fused loop is not IEEE-exact, so a code may differ by one there)."""
     check_format(fmt)
     w = xp.asarray(w).astype(np.float32)
     if fmt == "int4":

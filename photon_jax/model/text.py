@@ -150,18 +150,16 @@ def unstack_layers(params: dict, free: bool = False) -> dict:
                 leaf.delete()
         text[group] = [jax.tree.unflatten(treedef, xs) for xs in per_layer]
     head = text.get("lm_head")
-    if head is not None and "w" in head:
+    if head is not None and "w" in head and not quant.is_quantized(head["w"]):
         # The LM head as [V, D]: XLA:CPU's dot reads a [D, V] weight several times over at 8
         # to 32 rows (measured: 54 ms -> 14-21 ms at 32 rows, width 512); GPU layouts are
-        # XLA's choice either way.
+        # XLA's choice either way.  A quantized head stays [D, V]: the CPU kernel streams
+        # its codes row by row as they lie, and on GPU and TPU the layout is XLA's anyway.
         w = head["w"]
-        text["lm_head"] = {"w_vd": quant.transpose_head(w), "b": head["b"]}
-        if free:
-            kept = jax.tree.leaves(text["lm_head"]["w_vd"])
-            jax.block_until_ready(kept)
-            for a in jax.tree.leaves(w):   # a quantized head keeps its scales as they are
-                if isinstance(a, jax.Array) and not any(a is b for b in kept):
-                    a.delete()
+        text["lm_head"] = {"w_vd": w.T, "b": head["b"]}
+        if free and isinstance(w, jax.Array):
+            jax.block_until_ready(text["lm_head"]["w_vd"])
+            w.delete()
     return {**params, "text": text}
 
 
@@ -174,7 +172,7 @@ def stack_layers(params: dict) -> dict:
             text[group] = jax.tree.map(lambda *xs: jnp.stack(xs), *g)
     head = text.get("lm_head")
     if head is not None and "w_vd" in head:
-        text["lm_head"] = {"w": quant.untranspose_head(head["w_vd"]), "b": head["b"]}
+        text["lm_head"] = {"w": head["w_vd"].T, "b": head["b"]}
     return {**params, "text": text}
 
 
