@@ -373,3 +373,41 @@ def test_quantized_experts_in_every_moe_schedule(fmt):
     np.testing.assert_allclose(np.asarray(moe.moe_mlp(q, x[:1], k, grouped="ragged+megablox")),
                                np.asarray(moe.moe_mlp(f, x[:1], k, schedule_="blocks")),
                                rtol=0, atol=0)
+
+
+def test_int4_release_with_a_quantized_region_model(tmp_path):
+    # config.region.group_size set: the reference quantizes the region model's linears too.
+    # The 4-bit region model detects and points exactly as its weights dequantized the
+    # reference's way do.
+    from md2_int4_fixture import dequantize_reference, quantize_int4
+    from quantized_checkpoints import read_safetensors, write_safetensors
+
+    quantized, dequantized = tmp_path / "q", tmp_path / "f"
+    for d in (quantized, dequantized):
+        write_md2_int4(d)
+    t = read_safetensors(str(quantized / "model.safetensors"))
+    deq = dict(t)
+    names = [n for n in t if n.startswith("model.region.") and n.endswith(".weight")
+             and "features" not in n]
+    assert len(names) == 6
+    for n in names:
+        packed, scale, zero = quantize_int4(t[n].astype(np.float32))
+        del t[n]
+        t[n + ".packed"], t[n + ".scale"], t[n + ".zero_point"] = packed, scale, zero
+        deq[n] = dequantize_reference(packed, scale, zero, deq[n].shape)
+    write_safetensors(str(quantized / "model.safetensors"), t)
+    write_safetensors(str(dequantized / "model.safetensors"), deq)
+    cfg = json.loads((quantized / "config.json").read_text())
+    cfg["config"]["region"]["group_size"] = 128
+    (quantized / "config.json").write_text(json.dumps(cfg))
+    out = {}
+    for name, hf in (("q", quantized), ("f", dequantized)):
+        ckpt = str(tmp_path / f"{name}-ckpt")
+        c = convert(str(hf), ckpt, dtype="float32", log=lambda s: None)
+        assert c.weights.region == ("int4" if name == "q" else "")
+        img = Image.open(os.path.join(FIXTURE_DIR, "img_sq378.png"))
+        with Moondream.load(ckpt, max_batch_size=2, compile_cache=True) as md:
+            out[name] = (md.detect(img, "w5", settings={"max_objects": 3}),
+                         md.point(img, "w5", settings={"max_objects": 3}))
+    assert out["q"] == out["f"]
+    assert len(out["q"][0]["objects"]) == 3 and out["q"][1]["points"]   # the heads ran
