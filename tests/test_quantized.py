@@ -411,3 +411,32 @@ def test_int4_release_with_a_quantized_region_model(tmp_path):
                          md.point(img, "w5", settings={"max_objects": 3}))
     assert out["q"] == out["f"]
     assert len(out["q"][0]["objects"]) == 3 and out["q"][1]["points"]   # the heads ran
+
+
+def test_fp8_experts_under_hugging_face_names(md3_fp8, tmp_path):
+    # The same FP8 experts stored under Hugging Face names (`model.text.blocks.{i}.mlp.fc1.weight`
+    # in F8 beside `model.text.blocks.{i}.moe_quant.up_scale`, as moondream-station reads them)
+    # convert to what kestrel's names give.
+    import shutil
+
+    from quantized_checkpoints import quantize_experts, read_safetensors, write_safetensors
+
+    hf = tmp_path / "hf"
+    shutil.copytree(MD3_FIXTURE_DIR, hf)
+    t = read_safetensors(str(hf / "model.safetensors"))
+    for name in [n for n in t if ".mlp.fc1.weight" in n or ".mlp.fc2.weight" in n]:
+        if t[name].ndim != 3:
+            continue
+        codes, scale = quantize_experts(t[name])
+        i = name.split(".")[3]
+        t[name] = codes
+        t[f"model.text.blocks.{i}.moe_quant.{'up' if 'fc1' in name else 'down'}_scale"] = scale
+    write_safetensors(str(hf / "model.safetensors"), t)
+    out = str(tmp_path / "ckpt")
+    convert(str(hf), out, dtype="bfloat16", log=lambda s: None)
+    a = jax.tree.leaves_with_path(Model.load(out, dtype="bfloat16").params)
+    b = jax.tree.leaves_with_path(Model.load(md3_fp8["safetensors"], dtype="bfloat16").params)
+    assert [p for p, _ in a] == [p for p, _ in b]
+    for (path, x), (_, y) in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8),
+                                      err_msg=str(path))
