@@ -6,7 +6,10 @@ it packs W's panels, so its result must be bitwise the float kernel's on the wei
 of the tiling: 1, 5 and 13 rows (a lone row past the 6-row tiles, and none), columns not a
 multiple of 16 and more than one 128-column block, k not a multiple of the packing depth
 (nor of 8 or 16, where the head is transposed 8 x 8 and widened 16 at a time), 4-bit groups
-of 128 and of 4 rows."""
+of 128 and of 4 rows.  At 1-4 rows a [K, N] W is streamed instead (no packing: the codes
+widened in registers, each output's sum still in k order): bitwise the same, at its own
+edges (column groups of 32, 16 and 8 and single columns, several column blocks, sweeps of
+8 k's cut by a 4-bit group or the half of K)."""
 
 from functools import partial
 
@@ -80,6 +83,33 @@ def test_quantized_dense_is_the_float_kernel_on_the_dequantized_weight(fmt, tran
                                   got[1])
 
 
+STREAM_CASES = [(fmt, k, n) for fmt in ("int8", "fp8", "int4")
+                for k, n in ((300, 77), (520, 200), (1000, 2100))] + \
+               [("int8", 301, 45), ("fp8", 301, 45), ("int4", 2, 9)]
+
+
+@pytest.mark.parametrize("fmt,k,n", STREAM_CASES)
+def test_few_rows_stream_the_codes_bitwise_as_the_float_kernel(fmt, k, n):
+    """1-4 rows (the streaming path) and 5 (packed again), bitwise the float kernel (packed
+    tiles) on the dequantized weight.  N = 77, 200, 2100, 45, 9: groups of 32, 16 and 8
+    columns and single ones, blocks of columns past the first; K = 300, 301, 520, 1000, 2:
+    sweeps of 8 k's and a partial last one; 4 bits: 75 groups of 4 (the half of K inside a
+    group), 65 and 125 of 8, one of 2."""
+    rng = np.random.default_rng(k * 7 + n)
+    w = rng.normal(size=(k, n)).astype(np.float32)
+    q = quant.quantize(w, fmt)
+    b = rng.normal(size=n).astype(np.float32)
+    xs = [rng.normal(size=(m, k)).astype(np.float32) for m in (1, 2, 3, 4, 5)]
+    wf = np.asarray(quant.dequantize(_dev(q), jnp.float32))
+    got = _run(xs, q, b, False)
+    want = _run(xs, wf, b, False)
+    for x, y, yf in zip(xs, got, want):
+        assert y.shape == (x.shape[0], n) and y.dtype == np.float32
+        np.testing.assert_array_equal(y, yf)
+        np.testing.assert_allclose(y, x.astype(np.float64) @ wf.astype(np.float64) + b,
+                                   rtol=1e-5, atol=5e-4)
+
+
 def test_fp8_codes_widen_by_the_format_definition():
     """All 256 float8_e4m3fn codes (NaN for S.1111.111) as ml_dtypes widens them, through
     each of the kernel's paths: [K, N] 16 columns at a time (the F16C widening), the head's
@@ -136,6 +166,28 @@ def test_int4_rounds_both_steps_to_bfloat16_and_keeps_nans():
     y = _run([x], w, b, False)[0]
     assert np.isnan(y[:, [5, 20, 40]]).all() and not np.isnan(np.delete(y, [5, 20, 40], 1)).any()
     np.testing.assert_array_equal(y, _run([x], wf, b, False)[0])
+
+
+def test_int4_nan_payloads_stay_nan_streamed_and_packed():
+    """A NaN scale or zero point whose payload the bfloat16 rounding's carry would turn into
+    a zero or an infinity (0x7FFFFFFF, 0xFFFF8000) still gives NaN, at 1 row (streamed)
+    and 5 (packed), as `quant.dequantize` keeps it."""
+    k, n = 256, 80
+    rng = np.random.default_rng(4)
+    codes = rng.integers(0, 16, size=(k, n)).astype(np.uint8)
+    s = rng.uniform(0.001, 0.1, size=(2, n)).astype(np.float32)
+    z = rng.uniform(0, 15, size=(2, n)).astype(np.float32)
+    bad = np.array([0x7FFFFFFF, 0xFFFF8000], np.uint32).view(np.float32)
+    s[0, 3], z[1, 70], z[0, 66] = bad[0], bad[1], bad[0]
+    w = {"q4": quant.pack_nibbles(codes), "s4": s, "z4": z}
+    wf = np.asarray(quant.dequantize(_dev(w), jnp.float32))
+    assert np.isnan(wf[:, [3, 66, 70]]).any(0).all()
+    xs = [rng.normal(size=(m, k)).astype(np.float32) for m in (1, 5)]
+    b = np.zeros(n, np.float32)
+    for y, yf in zip(_run(xs, w, b, False), _run(xs, wf, b, False)):
+        assert np.isnan(y[:, [3, 66, 70]]).all()
+        assert not np.isnan(np.delete(y, [3, 66, 70], 1)).any()
+        np.testing.assert_array_equal(y, yf)
 
 
 def test_dense_bytes_accessed_counts_codes_scales_and_zeros():

@@ -18,7 +18,10 @@ CPUs it reports so through `dense_fast()` and the step keeps XLA's products).  A
 weight (`model.quant`: 8-bit codes with channel scales, 4-bit codes with group scales and
 zeros) goes in as its codes and is widened while its panels are packed, so the call reads 1
 byte (int8, fp8) or half a byte (int4) per weight instead of 4, and computes bitwise what
-the float32 call on the dequantized weight computes.
+the float32 call on the dequantized weight computes.  At 1-4 rows (decode at small batch) a
+quantized [K, N] weight is not packed but streamed: its codes are widened in registers and
+multiplied where they lie, row after row, each output still summed in k order (the same
+bits), at about the rate memory delivers the codes.
 
 Building.  `c++` (or `$CXX`) with `-O3 -march=native`, against the FFI headers of the
 installed jaxlib; the library goes to `$XDG_CACHE_HOME/photon_jax/kernels` (default
@@ -193,9 +196,10 @@ def dense(x_MK, w, b_N, transposed: bool = False):
     """[M, N] float32: x @ w + b, w [K, N] (or [N, K] with `transposed`), summed in k order
     in float32, the bias added last.  `w` is a float array or a quantized weight dict
     (`model.quant`: int8 / float8_e4m3fn codes with per-channel scales, or 4-bit codes
-    with group scales and zeros), widened in the kernel as it packs W's panels, value for
-    value as `quant.dequantize(w, float32, transposed)` widens it (4-bit: both steps
-    rounded to bfloat16): the result is bitwise `dense` on that float32 weight.  Must run
+    with group scales and zeros), widened in the kernel as it packs W's panels (at 1-4 rows
+    of a [K, N] weight: as it streams them), value for value as
+    `quant.dequantize(w, float32, transposed)` widens it (4-bit: both steps rounded to
+    bfloat16): the result is bitwise `dense` on that float32 weight.  Must run
     on CPU; call `load()` first."""
     if not load():
         raise RuntimeError(f"the CPU kernels are not available: {reason()}")

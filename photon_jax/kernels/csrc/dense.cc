@@ -12,10 +12,10 @@
 //                         transposed)
 // One FFI target for all four: W is an untyped buffer whose dtype names its kind, the scales
 // and zero points two float32 operands, empty where the kind has none.  A quantized W is
-// widened to float32 as its panels are packed (each element once per call), so the call
-// reads a byte (half a byte) per weight instead of four; the packed values are bitwise what
-// quant.dequantize computes in float32, so the result is bitwise that of the float32 call
-// on the dequantized weight.
+// widened to float32 as its panels are packed, or at 1-4 rows in registers as it is streamed
+// (each element once per call), so the call reads a byte (half a byte) per weight instead of
+// four; the widened values are bitwise what quant.dequantize computes in float32, so the
+// result is bitwise that of the float32 call on the dequantized weight.
 //
 // Built only with AVX2 + FMA (x86-64 CPUs since 2013-2015); elsewhere the call fails and
 // `photon_dense_simd()` is 0, so Python keeps XLA's products (cpukernel.dense_fast).
@@ -28,6 +28,9 @@
 // rows are N floats apart, which would put every k of a panel in the same few L1 sets; 8
 // panels at once read each row of W in 512-byte runs), and register-blocked 6 x 16 tiles
 // run over each panel: each W element is read from memory once per call, x stays in cache.
+// At 1-4 rows a quantized [K, N] W is not packed but streamed (GemvWorker): its codes are
+// widened in registers and multiplied in place, row after row of a block of columns, so the
+// call runs at the rate memory delivers the codes rather than the rate of packing them.
 //
 // Numerics: every output is b + (x[m, 0] w[0, n] + x[m, 1] w[1, n] + ...), accumulated in
 // float32 in k order with fused multiply-adds, the bias added last.  Blocks are shared out
@@ -183,12 +186,13 @@ inline __m256 Widen8(const int8_t* p) {
 // e4m3's 4 exponent bits and 3 mantissa bits: float16's bias is 8 more, so it is the value
 // times 2^-8, subnormals included, widened exactly by the hardware (float16 denormal inputs
 // are not subject to a flush-to-zero mode).  The NaN codes (magnitude 0x7f, float16 0x3f80)
-// get float16's all-ones exponent: NaN, as in the table.
+// get float16's all-ones exponent: NaN, as in the table (bit 14 set where adding 1 to the
+// magnitude's lowest bit carries through all of its 7 bits: only there).
 inline __m128i HalfOfF8(__m128i h) {  // h: the codes, sign-extended to 16 bits
   h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<int16_t>(0xBFFF)));
-  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7FFF)),
-                                      _mm_set1_epi16(0x3F80));
-  return _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7C00)));
+  const __m128i nan = _mm_and_si128(_mm_add_epi16(h, _mm_set1_epi16(0x80)),
+                                    _mm_set1_epi16(0x4000));
+  return _mm_or_si128(h, nan);
 }
 inline __m256 Widen8(const uint8_t* p) {
   return _mm256_cvtph_ps(
@@ -198,9 +202,8 @@ inline __m256 Widen8(const uint8_t* p) {
 inline void Widen16(const uint8_t* p, __m256& lo, __m256& hi) {
   __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
-  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7FFF)),
-                                         _mm256_set1_epi16(0x3F80));
-  h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7C00)));
+  h = _mm256_or_si256(h, _mm256_and_si256(_mm256_add_epi16(h, _mm256_set1_epi16(0x80)),
+                                          _mm256_set1_epi16(0x4000)));
   lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
   hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
@@ -567,6 +570,310 @@ void Block(const Dense& d, int64_t block, float* bp, float* c) {
   }
 }
 
+// -- a few rows: a streaming product, no packing ---------------------------------------------
+//
+// At 1-4 rows a tile does 1-4 multiply-adds per packed value, so packing (widening, a store
+// and a reload per weight) is most of the call: at 1 row it ran at a third of the rate memory
+// could deliver the codes.  A quantized [K, N] W is then read where it lies: a work
+// item is a block of columns; its rows are swept kGemvKC at a time, and within a sweep each
+// group of 8 x NV columns loads its accumulators (one 8-float vector per row of x and 8
+// columns), runs its k's in order (row k's codes widened in registers exactly as the packing
+// widens them, times the scales held in registers, x[m, k] times that added with one fused
+// multiply-add) and parks them again.  The block's rows are so read in runs of its whole
+// width, row after row (the hardware's prefetchers follow such runs; a group's strip down K
+// alone, one line every N bytes, they do not, and its lines alias in L1 when N is a multiple
+// of 4 KB), the sweep ahead prefetched.  Each output is 0 + x[m, 0] w[0, n] + x[m, 1] w[1, n]
+// + ... in k order, the bias added last, as in the tiles (which park theirs every kKC k's):
+// the same bits.
+
+constexpr int64_t kGemvRows = 4;     // M up to this goes this way (measured, see DenseImpl)
+constexpr int64_t kGemvKC = 8;       // rows per sweep; prefetched one sweep ahead
+constexpr int64_t kGemvWidth = 2048; // columns per work item at most
+constexpr int kGemvVecs = 4;         // 8-column vectors per group at most
+
+// Vectors per group (measured): 4 at 1-2 rows of x (32 columns, 4-8 sums in flight), 2 at
+// 3-4 (6-8 accumulators: with 4 the 16 registers no longer hold them, x and the codes).
+template <int MR>
+constexpr int GemvGroupVecs() { return MR <= 2 ? 4 : 2; }
+
+// Rows [k0, k1) of one sweep that share a 4-bit group and half of K (8-bit: the sweep).
+struct GemvSpan {
+  int64_t k0, k1;
+  int64_t group;  // 4 bits: k0 / g
+  bool high;      // 4 bits: k0 >= K / 2, the high nibbles
+};
+
+// The codes of one row of W for a group of columns, widened and scaled exactly as the packing
+// widens them: `Get<mode, v>(k)` is W[k, n0 + 8 v : n0 + 8 v + 8], Get2 that and the next 8.
+// `Start(span)` readies a span's rows; `Mode()` picks the loop's variant for them.
+template <typename T>
+struct ChannelRow {  // int8 (T = int8_t), e4m3 (uint8_t): code * s
+  static constexpr int kModes = 1;
+  const T* q;              // W[0, n0]
+  int64_t ld;              // N
+  __m256 s[kGemvVecs];     // the group's scales (e4m3: times kF8Lift)
+  ChannelRow(const Dense& d, int64_t n0, int nv) : q(static_cast<const T*>(d.w) + n0), ld(d.n) {
+    const __m256 lift = _mm256_set1_ps(std::is_same<T, uint8_t>::value ? kF8Lift : 1.0f);
+    for (int v = 0; v < kGemvVecs; ++v) {
+      s[v] = v < nv ? _mm256_mul_ps(_mm256_loadu_ps(d.s + n0 + 8 * v), lift) : lift;
+    }
+  }
+  void Start(const GemvSpan&) {}
+  int Mode() const { return 0; }
+  const char* Ptr(int64_t k) const { return reinterpret_cast<const char*>(q + k * ld); }
+  template <int kMode, int V>
+  __m256 Get(int64_t k) const {
+    return _mm256_mul_ps(Widen8(q + k * ld + 8 * V), s[V]);
+  }
+  template <int kMode, int V>
+  void Get2(int64_t k, __m256& w0, __m256& w1) const {
+    Widen16(q + k * ld + 8 * V, w0, w1);  // e4m3: the integer steps on 16 codes at once
+    w0 = _mm256_mul_ps(w0, s[V]);
+    w1 = _mm256_mul_ps(w1, s[V + 1]);
+  }
+};
+
+struct GroupRow {  // 4 bits: bf16(bf16(code - z) * s); modes: 1 the high nibbles, 2 a NaN
+  static constexpr int kModes = 4;
+  const uint8_t* q;    // q4[0, n0]
+  const float* s0;     // s4[0, n0]
+  const float* z0;     // z4[0, n0]
+  int64_t ld, half;
+  int nv;
+  const uint8_t* row;  // where row k of the span is row + k * ld
+  int mode = 0;
+  __m256 s[kGemvVecs], z[kGemvVecs];
+  GroupRow(const Dense& d, int64_t n0, int nv_)
+      : q(static_cast<const uint8_t*>(d.w) + n0), s0(d.s + n0), z0(d.z + n0), ld(d.n),
+        half(d.k / 2), nv(nv_), row(q) {}
+  // The span's scales and zero points, and whether one is a NaN (then the roundings keep it,
+  // as the packing's do for a block with one; elsewhere both variants give the same bits).
+  void Start(const GemvSpan& sp) {
+    row = sp.high ? q - half * ld : q;
+    const float* sg = s0 + sp.group * ld;
+    const float* zg = z0 + sp.group * ld;
+    int nan = 0;
+    for (int v = 0; v < kGemvVecs; ++v) {
+      if (v < nv) {
+        s[v] = _mm256_loadu_ps(sg + 8 * v);
+        z[v] = _mm256_loadu_ps(zg + 8 * v);
+        nan |= _mm256_movemask_ps(_mm256_cmp_ps(s[v], z[v], _CMP_UNORD_Q));
+      } else {
+        s[v] = z[v] = _mm256_setzero_ps();
+      }
+    }
+    mode = (sp.high ? 1 : 0) + (nan ? 2 : 0);
+  }
+  int Mode() const { return mode; }
+  const char* Ptr(int64_t k) const { return reinterpret_cast<const char*>(row + k * ld); }
+  template <int kMode, int V>
+  __m256 Get(int64_t k) const {
+    __m256i c = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k * ld + 8 * V)));
+    if constexpr ((kMode & 1) != 0) c = _mm256_srli_epi32(c, 4);
+    c = _mm256_and_si256(c, _mm256_set1_epi32(15));
+    constexpr bool kNaN = (kMode & 2) != 0;
+    return RoundBf16<kNaN>(_mm256_mul_ps(
+        RoundBf16<kNaN>(_mm256_sub_ps(_mm256_cvtepi32_ps(c), z[V])), s[V]));
+  }
+  template <int kMode, int V>
+  void Get2(int64_t k, __m256& w0, __m256& w1) const {
+    w0 = Get<kMode, V>(k);
+    w1 = Get<kMode, V + 1>(k);
+  }
+};
+
+// A group's rows of one sweep (its spans): MR rows of x times NV vectors of columns from n0,
+// into the accumulators parked in c (MR rows, ldc apart; zeros if !load), or, if `last`,
+// into y = the sums + b.
+template <int MR, int NV, typename Row>
+inline void GemvRun(const Dense& d, const GemvSpan* spans, int nspans, int64_t n0, Row& row,
+                    bool load, float* c, int64_t ldc, bool last) {
+  static_assert(MR >= 1 && MR <= kGemvRows && NV >= 1 && NV <= kGemvVecs, "");
+  // Named accumulators, not an array (see Tile).
+#define GEMV_ROWS(F, v) F(0, v) F(1, v) F(2, v) F(3, v)
+#define GEMV_EACH(F) GEMV_ROWS(F, 0) GEMV_ROWS(F, 1) GEMV_ROWS(F, 2) GEMV_ROWS(F, 3)
+#define GEMV_DECL(i, v) __m256 a##i##v = _mm256_setzero_ps();
+  GEMV_EACH(GEMV_DECL)
+#undef GEMV_DECL
+#define GEMV_LOAD(i, v) \
+  if constexpr (MR > i && NV > v) a##i##v = _mm256_loadu_ps(c + i * ldc + 8 * v);
+  if (load) {
+    GEMV_EACH(GEMV_LOAD)
+  }
+#undef GEMV_LOAD
+  const float* x0 = d.x;
+  const float* x1 = d.x + d.k;
+  const float* x2 = d.x + 2 * d.k;
+  const float* x3 = d.x + 3 * d.k;
+  const int64_t ahead = kGemvKC * d.n;  // the next sweep's row (past W's end: harmless)
+#define GEMV_ROWS_W(F, v, w) F(0, v, w) F(1, v, w) F(2, v, w) F(3, v, w)
+#define GEMV_FMA(i, v, w) \
+  if constexpr (MR > i) a##i##v = _mm256_fmadd_ps(xb##i, w, a##i##v);
+#define GEMV_PAIR(v, u)                                   \
+  if constexpr (NV > u) {                                 \
+    __m256 w0, w1;                                        \
+    row.template Get2<kMode, v>(k, w0, w1);               \
+    GEMV_ROWS_W(GEMV_FMA, v, w0) GEMV_ROWS_W(GEMV_FMA, u, w1) \
+  } else if constexpr (NV > v) {                          \
+    const __m256 w0 = row.template Get<kMode, v>(k);      \
+    GEMV_ROWS_W(GEMV_FMA, v, w0)                           \
+  }
+#define GEMV_LOOP(mode)                                                     \
+  {                                                                         \
+    constexpr int kMode = mode;                                             \
+    for (int64_t k = sp.k0; k < sp.k1; ++k) {                               \
+      _mm_prefetch(row.Ptr(k) + ahead, _MM_HINT_T0);                        \
+      __m256 xb0 = _mm256_broadcast_ss(x0 + k), xb1, xb2, xb3;              \
+      if constexpr (MR > 1) xb1 = _mm256_broadcast_ss(x1 + k);              \
+      if constexpr (MR > 2) xb2 = _mm256_broadcast_ss(x2 + k);              \
+      if constexpr (MR > 3) xb3 = _mm256_broadcast_ss(x3 + k);              \
+      (void)xb1;                                                            \
+      (void)xb2;                                                            \
+      (void)xb3;                                                            \
+      GEMV_PAIR(0, 1) GEMV_PAIR(2, 3)                                       \
+    }                                                                       \
+  }
+  for (int i = 0; i < nspans; ++i) {
+    const GemvSpan& sp = spans[i];
+    row.Start(sp);
+    switch (row.Mode()) {
+      case 0: GEMV_LOOP(0) break;
+      case 1: if constexpr (Row::kModes > 1) GEMV_LOOP(1) break;
+      case 2: if constexpr (Row::kModes > 2) GEMV_LOOP(2) break;
+      case 3: if constexpr (Row::kModes > 3) GEMV_LOOP(3) break;
+      default: break;
+    }
+  }
+#undef GEMV_LOOP
+#undef GEMV_PAIR
+#undef GEMV_FMA
+#undef GEMV_ROWS_W
+  const float* b = d.b + n0;
+  float* y = d.y + n0;
+#define GEMV_STORE(i, v)                                                           \
+  if constexpr (MR > i && NV > v) {                                                \
+    if (last) {                                                                    \
+      _mm256_storeu_ps(y + i * d.n + 8 * v,                                        \
+                       _mm256_add_ps(a##i##v, _mm256_loadu_ps(b + 8 * v)));        \
+    } else {                                                                       \
+      _mm256_storeu_ps(c + i * ldc + 8 * v, a##i##v);                              \
+    }                                                                              \
+  }
+  GEMV_EACH(GEMV_STORE)
+#undef GEMV_STORE
+#undef GEMV_EACH
+#undef GEMV_ROWS
+}
+
+// W[k, n] for one of the last columns past the last full vector (the packing's scalar edge).
+inline float GemvScalar(const Dense& d, int64_t k, int64_t n) {
+  switch (d.kind) {
+    case Kind::kS8: return Code(static_cast<const int8_t*>(d.w) + k * d.n, n) * d.s[n];
+    case Kind::kF8: return Code(static_cast<const uint8_t*>(d.w) + k * d.n, n) * d.s[n];
+    case Kind::kU4: {
+      const uint8_t* q = static_cast<const uint8_t*>(d.w);
+      const int64_t half = d.k / 2, gi = (k / d.g) * d.n + n;
+      const int code = k < half ? q[k * d.n + n] & 15 : q[(k - half) * d.n + n] >> 4;
+      return Widen4(static_cast<float>(code), d.z[gi], d.s[gi]);
+    }
+    case Kind::kF32: break;
+  }
+  return static_cast<const float*>(d.w)[k * d.n + n];
+}
+
+// One sweep (its spans) of columns [n0, n0 + cols): groups of GemvGroupVecs vectors, then
+// of 2 and 1, then the last columns one at a time.
+template <int MR, typename Row>
+void GemvSweep(const Dense& d, const GemvSpan* spans, int nspans, int64_t n0, int64_t cols,
+               float* c) {
+  const bool load = spans[0].k0 > 0, last = spans[nspans - 1].k1 == d.k;
+  int64_t j = 0;
+#define GEMV_GROUPS(NV)                                                            \
+  for (; j + 8 * (NV) <= cols; j += 8 * (NV)) {                                    \
+    Row row(d, n0 + j, NV);                                                        \
+    GemvRun<MR, NV>(d, spans, nspans, n0 + j, row, load, c + j, cols, last);       \
+  }
+  constexpr int G = GemvGroupVecs<MR>();
+  GEMV_GROUPS(G)
+  if constexpr (G > 2) { GEMV_GROUPS(2) }
+  if constexpr (G > 1) { GEMV_GROUPS(1) }
+#undef GEMV_GROUPS
+  for (; j < cols; ++j) {
+    const int64_t n = n0 + j;
+    for (int64_t i = 0; i < MR; ++i) {
+      float acc = load ? c[i * cols + j] : 0.0f;
+      const float* xi = d.x + i * d.k;
+      for (int s = 0; s < nspans; ++s) {
+        for (int64_t k = spans[s].k0; k < spans[s].k1; ++k) {
+          acc = std::fma(xi[k], GemvScalar(d, k, n), acc);
+        }
+      }
+      if (last) {
+        d.y[i * d.n + n] = acc + d.b[n];
+      } else {
+        c[i * cols + j] = acc;
+      }
+    }
+  }
+}
+
+// One work item: columns [n0, n0 + cols), every k, a sweep at a time; c: its parked sums.
+template <int MR>
+void GemvBlock(const Dense& d, int64_t n0, int64_t cols, float* c) {
+  GemvSpan spans[kGemvKC];
+  const int64_t half = d.k / 2;
+  for (int64_t k0 = 0; k0 < d.k; k0 += kGemvKC) {
+    const int64_t k1 = std::min(d.k, k0 + kGemvKC);
+    int n = 0;
+    if (d.kind == Kind::kU4) {  // split where a group or the half of K ends
+      for (int64_t k = k0; k < k1; ++n) {
+        const int64_t group = k / d.g;
+        int64_t e = std::min(k1, (group + 1) * d.g);
+        if (k < half) e = std::min(e, half);
+        spans[n] = GemvSpan{k, e, group, k >= half};
+        k = e;
+      }
+    } else {
+      spans[n++] = GemvSpan{k0, k1, 0, false};
+    }
+    switch (d.kind) {
+      case Kind::kS8: GemvSweep<MR, ChannelRow<int8_t>>(d, spans, n, n0, cols, c); break;
+      case Kind::kF8: GemvSweep<MR, ChannelRow<uint8_t>>(d, spans, n, n0, cols, c); break;
+      case Kind::kU4: GemvSweep<MR, GroupRow>(d, spans, n, n0, cols, c); break;
+      case Kind::kF32: break;
+    }
+  }
+}
+
+// One thread's share of the column blocks (`nb` columns each), with its parked sums.
+struct GemvWorker {
+  Dense d;
+  int64_t nb;
+  std::vector<float> buf;
+
+  bool operator()(int64_t item) {
+    if (buf.empty()) buf.resize(d.m * nb);
+    const int64_t n0 = item * nb, cols = std::min(nb, d.n - n0);
+    switch (d.m) {
+      case 1: GemvBlock<1>(d, n0, cols, buf.data()); return true;
+      case 2: GemvBlock<2>(d, n0, cols, buf.data()); return true;
+      case 3: GemvBlock<3>(d, n0, cols, buf.data()); return true;
+      case 4: GemvBlock<4>(d, n0, cols, buf.data()); return true;
+      default: return false;
+    }
+  }
+};
+
+// Columns per work item: W's width shared among the threads in multiples of 64 (the longer
+// a block's rows, the better memory streams them), at most kGemvWidth; 4 bits: also at most
+// what keeps a block's half of q4 (read again for the high nibbles) in L2.
+int64_t GemvWidth(const Dense& d, int64_t threads) {
+  const int64_t nb = std::min(kGemvWidth, ((d.n + threads - 1) / threads + 63) / 64 * 64);
+  if (d.kind != Kind::kU4) return nb;
+  return std::min(nb, std::max<int64_t>(64, (256 << 10) / (d.k / 2) / 64 * 64));
+}
+
 // One thread's share of the blocks, with its own packing and output buffers.
 struct DenseWorker {
   Dense d;
@@ -600,11 +907,11 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   }
   Dense d{x.typed_data(), w.untyped_data(), s.typed_data(), z.typed_data(), b.typed_data(),
           y->typed_data(), xd[0], xd[1], transposed ? wd[0] : wd[1], 0, kKC, transposed, kind};
-  // A quantized [K, N] W for a few rows is packed 32 k's deep: the block's 8 panels then
-  // stay in L1 (16 KB) from their packing to their tiles instead of going through L2
-  // (measured: 1.35x faster at 1 row, 1.1x at 8, nothing at 13; the [N, K] head loses by
-  // it, its packing reading W's rows in shorter runs).  The sums are the same: each
-  // output's still runs in k order through its buffer row in c.
+  // A quantized [K, N] W for a few rows (5-8: fewer are streamed, below) is packed 32 k's
+  // deep: the block's 8 panels then stay in L1 (16 KB) from their packing to their tiles
+  // instead of going through L2 (measured: 1.35x faster at 1 row, 1.1x at 8, nothing at 13;
+  // the [N, K] head loses by it, its packing reading W's rows in shorter runs).  The sums
+  // are the same: each output's still runs in k order through its buffer row in c.
   if (kind != Kind::kF32 && !transposed && d.m <= 8) d.kcb = 32;
   const int64_t wk = kind == Kind::kU4 ? 2 * wd[0] : (transposed ? wd[1] : wd[0]);
   if (wk != d.k || bd[0] != d.n || yd[0] != d.m || yd[1] != d.n || d.k <= 0) {
@@ -625,6 +932,16 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   }
   if (d.m == 0 || d.n == 0) return ffi::Error::Success();
 #if PHOTON_DENSE_SIMD
+  // A quantized [K, N] W at 1-4 rows is streamed (GemvWorker).  Measured on the 2-core
+  // machine, [2048, 2048] int8 codes out of cache at 1 row: 0.37-0.45 ms (9-11 GB/s of
+  // codes, near what memory delivers) against 1.5 packed; at 5 rows packing wins again for
+  // e4m3 and 4 bits, whose widening dominates either way.
+  if (kind != Kind::kF32 && !transposed && d.m <= kGemvRows) {
+    const int64_t nb = GemvWidth(d, std::max<int64_t>(1, pool.num_threads()));
+    const int64_t items = (d.n + nb - 1) / nb;
+    photon::ParallelFor(pool, items, items, GemvWorker{d, nb, {}});
+    return ffi::Error::Success();
+  }
   const int64_t blocks = (d.n + kNB - 1) / kNB;
   photon::ParallelFor(pool, blocks, blocks, DenseWorker{d, {}});
   return ffi::Error::Success();
