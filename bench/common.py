@@ -393,13 +393,15 @@ def engine_run(model, enc, batch: int, steps: int, pipelined: bool, host_work_ms
     # An accelerator's default pool is most of its memory; the run needs only this much.
     tokens = None if jax.devices()[0].platform == "cpu" else \
         run_tokens(batch, start(model, prompt_tokens) + steps + 1)
-    # One prefill of every row's prompt (what the run's schedule needs, padding included:
-    # the engine holds a prefill to prefill_tokens computed positions), not batch x the
-    # context, which the memory plan would budget as a workspace of that many positions.
+    # One prefill of every row's prompt, what the run's schedule needs: the scheduler counts
+    # a launch's positions image prefix included, and its computed positions padding
+    # included.  Not batch x the context, which the memory plan budgets as a workspace of
+    # that many positions (33.7 GiB at the small config's batch 32).
     from photon_jax.engine.step import prefill_row_bucket, prompt_bucket
 
     eng = Engine(model, max_batch_size=batch, pipelined=pipelined, host_work_ms=host_work_ms,
-                 prefill_tokens=prefill_row_bucket(batch, batch) * prompt_bucket(prompt_tokens),
+                 prefill_tokens=max(batch * (model.cfg.prefix_len + prompt_tokens),
+                                    prefill_row_bucket(batch, batch) * prompt_bucket(prompt_tokens)),
                  kv_cache_tokens=tokens, kv_dtype=kv_dtype_of(model))
     try:
         for h in eng.submit_many(requests(model, enc, batch, steps,
