@@ -543,7 +543,7 @@ def test_photon_caption_and_photon_serve_share_one_set_of_engine_flags():
 
     cap, srv = build_parser(), serve.build_parser()
     engine = {"--model", "--revision", "--dtype", "--batch-size", "--max-context",
-              "--kv-cache-tokens", "--kv-dtype", "--tensor-parallel", "--workers",
+              "--kv-cache-tokens", "--kv-dtype", "--weights", "--tensor-parallel", "--workers",
               "--prefix-cache", "--no-prefix-cache", "--compile-cache", "--no-compile-cache",
               "--warmup", "--no-warmup"}
     for ap in (cap, srv):
@@ -558,7 +558,7 @@ def test_photon_caption_and_photon_serve_share_one_set_of_engine_flags():
     assert flags.engine_options(c) == {**flags.engine_options(s), "warmup": True}
     assert flags.engine_options(s) == dict(
         dtype=None, max_batch_size=3, max_context=None, kv_cache_tokens=None,
-        kv_dtype="int8", prefix_cache=False, compile_cache=False, warmup=False,
+        kv_dtype="int8", weights=None, prefix_cache=False, compile_cache=False, warmup=False,
         workers=s.workers)
     for argv, flag in ((["--workers", "0"], "--workers"), (["--batch-size", "0"], "--batch-size"),
                        (["--tensor-parallel", "0"], "--tensor-parallel")):
