@@ -60,11 +60,9 @@ class Quantized:
                     "s": scale.astype(np.float32)}
         packed, scale, zero = (read_tensor(r) for r in self.parts)
         out, inn = self.shape
-        g = packed.shape[0] * 2
         codes = np.concatenate([packed >> 4, packed & 15], axis=0).reshape(out, inn)
         s = scale.astype(np.float32).reshape(out, inn // 128)
         z = zero.astype(np.float32).reshape(out, inn // 128)
-        assert g == out * inn // 128
         return {"q4": quant.pack_nibbles(np.ascontiguousarray(codes.T)),
                 "s4": np.ascontiguousarray(s.T), "z4": np.ascontiguousarray(z.T)}
 
@@ -171,10 +169,6 @@ def group(tensors: dict, n_heads: int) -> tuple[dict, list[str]]:
             out[base + "wq"] = RowSlice(base + "wq", ref, 0, n_heads)
             out[base + "wv"] = RowSlice(base + "wv", ref, n_heads, rows)
     return out, found
-
-
-def _md2_weight(base: str, packed: TensorRef, scale: TensorRef, zero: TensorRef):
-    return Md2Pending(base, int(np.prod(scale.shape)), (packed, scale, zero))
 
 
 @dataclass(frozen=True)
