@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from typing import TYPE_CHECKING, Any, Union
 
@@ -33,12 +34,13 @@ from tqdm.auto import tqdm
 from . import aio, sources
 from .engine import compile_cache as compile_cache_mod, kvpool, memory
 from .engine.core import Engine
-from .engine.frontend import EncodedImage
+from .engine.frontend import EncodedImage, PreparedImage, prepare_image
 from .engine.request import EngineError, Handle, Request, RequestError
 from .engine.settings import SettingsError, parse
 from .model import platforms, sharding
 from .model.config import MoondreamConfig, Weights
 from .model.loaded import Model
+from .model import pixels
 from .model.pixels import ImageError
 from .model.sharding import make_mesh
 from .model.tokenizer import spatial_refs_prompt
@@ -211,6 +213,27 @@ class Moondream:
 
     def __exit__(self, *exc):
         self.close()
+
+    def _image_costs(self, raw: bytes, max_pixels: int | None = None) -> tuple[int, int]:
+        """(photon-serve, before decoding.)  (peak host bytes of `_prepare_image(raw,
+        max_pixels, reduce=True)`, bytes of its crops), from the header alone; an
+        ImageError for a file that would be refused (format, pixel count)."""
+        _, w, h, mode = pixels.probe(raw, max_pixels)
+        v = self.config.vision
+        reduced = pixels.reduce_factor(w, h, v) > 1 or pixels.reduce_factor(h, w, v) > 1
+        tiles = max(math.prod(pixels.crop_tiling(h, w, v)), math.prod(pixels.crop_tiling(w, h, v)))
+        crops = (1 + tiles) * v.crop_size * v.crop_size * 3   # either way up (EXIF)
+        return pixels.decode_cost(w, h, mode, reduced), crops
+
+    def _prepare_image(self, raw: bytes, max_pixels: int | None = None,
+                       reduce: bool = False) -> PreparedImage:
+        """(photon-serve's decoder threads.)  An encoded image -> its crops on the device,
+        under `max_pixels` (checked from the header) and, with `reduce`, decoded at a
+        reduced size when it is much larger than the crops need (`pixels.load_image`).
+        Accepted by every skill in place of the image.  Always cropped: the engine could
+        not prepare these bytes again if a predicted prefix-cache hit were evicted."""
+        rgb = pixels.load_image(raw, max_pixels, self.config.vision if reduce else None)
+        return prepare_image(self._model, rgb)
 
     # -- skills -------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ patch grid.  Everything here is numpy/PIL; nothing touches the device.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -23,7 +24,20 @@ from PIL import Image, ImageOps
 from .config import VisionConfig
 
 # Decompression-bomb guard of PIL, made explicit: images above this many pixels are refused.
+# (photon-serve passes its own, lower cap: --max-image-pixels.)
 MAX_PIXELS = 178_956_970
+
+# The formats an image may be in.  PIL knows ~40 (EPS hands the file to Ghostscript, PSD,
+# ICNS, SGI, ... each a decoder nobody here tests); only these common photo and screenshot
+# formats are opened.  (PIL's JPEG opener also yields MPO, the multi-picture JPEG of phone
+# cameras.)
+FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+FORMAT_NAMES = "JPEG, PNG, WebP, GIF, BMP or TIFF"
+Image.init()   # registers every plugin, so `formats=` can name WEBP and TIFF
+
+# Bytes PIL holds per pixel in each decoded mode (multi-band images are stored 4 bytes per
+# pixel whatever their band count): what `decode_cost` budgets.
+_MODE_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "I;16N": 2}
 
 
 class ImageError(ValueError):
@@ -46,25 +60,34 @@ def pil_pixels(image: Image.Image) -> np.ndarray:
         return np.array(_to_rgb(image, "the PIL image"), dtype=np.uint8)
 
 
-def load_image(image) -> Image.Image:
+def load_image(image, max_pixels: int | None = None, reduce_for=None) -> Image.Image:
     """An image file (path or encoded bytes), a PIL image or an HxWx{1,3,4} uint8 array -> RGB
     PIL image.
 
-    Files and bytes are decoded here: EXIF rotation applied, first frame of an animation,
-    16-bit grey scaled to 8 bits, any other mode converted with `convert("RGB")` (alpha
-    dropped, as the reference does), and images above MAX_PIXELS refused before decoding.
-    PIL images and arrays given directly are only converted to RGB."""
+    Files and bytes are decoded here, in one of `FORMATS` only: EXIF rotation applied, first
+    frame of an animation, 16-bit grey scaled to 8 bits, any other mode converted with
+    `convert("RGB")` (alpha dropped, as the reference does), and images above `max_pixels`
+    (default MAX_PIXELS) refused from their header, before decoding.  PIL images and arrays
+    given directly are only converted to RGB.
+
+    `reduce_for` (a VisionConfig; photon-serve's choice) decodes a large file at a reduced
+    size first (JPEG's DCT scaling, `Image.reduce` for the rest), never below twice the size
+    the crops are resized to, so a 50-megapixel upload costs a fraction of its full decode.
+    The result then differs from the reference's full-size resize: the default (None) keeps
+    the reference's exact path."""
+    cap = MAX_PIXELS if max_pixels is None else max_pixels
     if isinstance(image, (str, os.PathLike)):
         path = os.fspath(image)
         try:
-            return _decode(path, repr(path))
+            return _decode(path, repr(path), cap, reduce_for)
         except FileNotFoundError:
             raise ImageError(f"image file not found: {path!r}") from None
     if isinstance(image, (bytes, bytearray, memoryview)):
-        return _decode(io.BytesIO(bytes(image)), f"the {len(image)}-byte image")
+        return _decode(io.BytesIO(bytes(image)), f"the {len(image)}-byte image", cap,
+                       reduce_for)
     if isinstance(image, Image.Image):
         with _PIL_LOCKS[id(image) % len(_PIL_LOCKS)]:   # lazy load: see pil_pixels
-            rgb = _to_rgb(image, "the PIL image")
+            rgb = _to_rgb(image, "the PIL image", cap)
             return rgb.copy() if rgb is image else rgb   # loaded, and ours from here on
     if isinstance(image, np.ndarray):
         a = image
@@ -77,55 +100,137 @@ def load_image(image) -> Image.Image:
             a = a[:, :, 0]
         if not (a.ndim == 2 or (a.ndim == 3 and a.shape[2] in (3, 4))):
             raise ImageError(f"numpy image must have shape HxWx3, got {a.shape}")
-        return _to_rgb(Image.fromarray(np.ascontiguousarray(a)), "the numpy image")
+        return _to_rgb(Image.fromarray(np.ascontiguousarray(a)), "the numpy image", cap)
     raise ImageError(
         f"unsupported image type {type(image).__name__}; pass a PIL image, an HxWx3 uint8 "
         "numpy array, a file path or the file's bytes"
     )
 
 
-def _decode(src, what: str) -> Image.Image:
-    empty = src.getbuffer().nbytes == 0 if isinstance(src, io.BytesIO) else \
-        os.path.getsize(src) == 0
-    if empty:
+def probe(raw: bytes, max_pixels: int | None = None) -> tuple[str, int, int, str]:
+    """(format, width, height, mode) of an encoded image, from its header only (nothing is
+    decoded): refused like `load_image` would refuse it (format, size)."""
+    cap = MAX_PIXELS if max_pixels is None else max_pixels
+    what = f"the {len(raw)}-byte image"
+    if not raw:
         raise ImageError(f"{what} is empty (0 bytes)")
+    with _opened(io.BytesIO(raw), what) as im:
+        _check_size(im, what, cap)
+        return im.format, im.size[0], im.size[1], im.mode
+
+
+def decode_cost(width: int, height: int, mode: str, reduced: bool) -> int:
+    """Bytes of host memory decoding such an image takes at its peak (an upper estimate:
+    the decoded pixels, their RGB conversion and the copies `make_crops` takes; a reduced
+    decode keeps only the decoded pixels and one conversion at full size)."""
+    n = width * height
+    native = _MODE_BYTES.get(mode, 4) * n
+    return 2 * native + 4 * n if reduced else 2 * native + 4 * n + 2 * 3 * n
+
+
+def reduce_factor(width: int, height: int, cfg: VisionConfig) -> int:
+    """The integer factor a `width` x `height` image may be shrunk by before `make_crops`
+    while staying at least twice the size of every resize target make_crops uses for it
+    (LANCZOS from there loses nothing visible); 1 for an image already near them."""
+    th, tw = crop_tiling(height, width, cfg)
+    margin = cfg.enc_patch_size * cfg.overlap_margin
+    window = (cfg.grid - 2 * cfg.overlap_margin) * cfg.enc_patch_size
+    tw_px = max(tw * window + 2 * margin, cfg.crop_size)
+    th_px = max(th * window + 2 * margin, cfg.crop_size)
+    return max(1, min(width // (2 * tw_px), height // (2 * th_px)))
+
+
+@contextlib.contextmanager
+def _opened(src, what: str):
+    """`Image.open` limited to FORMATS, with PIL's errors as ImageErrors."""
     try:
-        with Image.open(src) as im:
-            _check_size(im, what)   # before decoding: a huge file costs nothing
-            im.seek(0)  # animated: first frame
-            im = ImageOps.exif_transpose(im)
-            im.load()
-            if im.mode in ("I;16", "I;16B", "I;16L", "I"):
-                # 16-bit grey: scale to 8 bits (convert("RGB") would clip at 255).
-                a = np.asarray(im).astype(np.float64)
-                hi = 65535.0 if a.max(initial=0) > 255 else 255.0
-                im = Image.fromarray(np.round(a * (255.0 / hi)).clip(0, 255).astype(np.uint8))
-            return _to_rgb(im, what)
+        with Image.open(src, formats=FORMATS) as im:
+            yield im
     except FileNotFoundError:
         raise
     except Image.UnidentifiedImageError:
-        raise ImageError(f"{what} is not an image PIL can read (unknown format, or not an "
-                         "image file)") from None
+        raise ImageError(f"{what} is not an image in an accepted format (a {FORMAT_NAMES} "
+                         "file); convert it to JPEG or PNG") from None
     except Image.DecompressionBombError as e:   # PIL's own check fired first, at open
-        raise ImageError(f"{what} is too large ({e}); downscale it below {MAX_PIXELS} "
-                         "pixels") from None
-    except (OSError, SyntaxError, ValueError) as e:
+        raise ImageError(f"{what} is too large ({e}); downscale it") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
         if isinstance(e, ImageError):
             raise
         raise ImageError(f"cannot read image {what}: {e}") from None
 
 
-def _check_size(im: Image.Image, what: str) -> None:
+def _decode(src, what: str, cap: int, reduce_for) -> Image.Image:
+    empty = src.getbuffer().nbytes == 0 if isinstance(src, io.BytesIO) else \
+        os.path.getsize(src) == 0
+    if empty:
+        raise ImageError(f"{what} is empty (0 bytes)")
+    with _opened(src, what) as im:
+        _check_size(im, what, cap)   # before decoding: a huge file costs nothing
+        im.seek(0)  # animated: first frame
+        if reduce_for is None or _reduce_by(im.size, reduce_for) == 1:
+            im = ImageOps.exif_transpose(im)
+            im.load()
+            if im.mode.startswith("I;16") or im.mode == "I":
+                im = Image.fromarray(_grey16_to_8(np.asarray(im)))
+            return _to_rgb(im, what, cap)
+        # Reduced: shrink first, rotate the small result (the factor holds either way up).
+        orientation = im.getexif().get(0x0112, 1)
+        if im.format in ("JPEG", "MPO"):
+            # DCT scaling (1/2, 1/4, 1/8) while decoding; never below the size asked for.
+            k = _reduce_by(im.size, reduce_for)
+            im.draft("RGB", (im.size[0] // k, im.size[1] // k))
+        im.load()
+        if im.mode.startswith("I;16") or im.mode == "I":
+            im = Image.fromarray(_grey16_to_8(np.asarray(im)))
+        k = _reduce_by(im.size, reduce_for)
+        if k > 1:
+            if im.mode not in ("L", "LA", "RGB", "RGBA", "F", "CMYK"):
+                im = im.convert("RGBA" if "transparency" in im.info else "RGB")
+            im = im.reduce(k)
+        if orientation in _ORIENT:
+            im = im.transpose(_ORIENT[orientation])
+        return _to_rgb(im, what, cap)
+
+
+# EXIF orientation -> the transpose that shows the image upright (as ImageOps.exif_transpose).
+_ORIENT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+           4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
+           6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+           8: Image.Transpose.ROTATE_90}
+
+
+def _reduce_by(size: tuple[int, int], cfg: VisionConfig) -> int:
+    """`reduce_factor` that holds whichever way up the image is shown (EXIF rotation)."""
+    w, h = size
+    return min(reduce_factor(w, h, cfg), reduce_factor(h, w, cfg))
+
+
+def _grey16_to_8(a: np.ndarray) -> np.ndarray:
+    """16-bit (or 32-bit integer) grey -> 8 bits: round(v * 255 / 65535) when the image
+    uses more than 8 bits, else v, clipped; in integer arithmetic (255 * 257 = 65535, so
+    the rounding is (v + 128) // 257 exactly) and in row blocks, so a large image never
+    holds a float64 copy (8 bytes a pixel)."""
+    wide = int(a.max(initial=0)) > 255
+    out = np.empty(a.shape, np.uint8)
+    rows = max(1, (1 << 20) // max(1, a.shape[1]))
+    for r in range(0, a.shape[0], rows):
+        blk = np.clip(a[r:r + rows].astype(np.int64), 0, 65535 if wide else 255)
+        out[r:r + rows] = (blk + 128) // 257 if wide else blk
+    return out
+
+
+def _check_size(im: Image.Image, what: str, cap: int | None = None) -> None:
+    cap = MAX_PIXELS if cap is None else cap   # (read at call time: tests lower it)
     w, h = im.size
     if w < 1 or h < 1:
         raise ImageError(f"{what} is empty ({w}x{h})")
-    if w * h > MAX_PIXELS:
-        raise ImageError(f"{what} is too large ({w}x{h} = {w * h} pixels); downscale it below "
-                         f"{MAX_PIXELS} pixels")
+    if w * h > cap:
+        raise ImageError(f"{what} is too large ({w}x{h} = {w * h} pixels); downscale it to "
+                         f"at most {cap} pixels")
 
 
-def _to_rgb(im: Image.Image, what: str) -> Image.Image:
-    _check_size(im, what)
+def _to_rgb(im: Image.Image, what: str, cap: int | None = None) -> Image.Image:
+    _check_size(im, what, cap)
     return im if im.mode == "RGB" else im.convert("RGB")
 
 
