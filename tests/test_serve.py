@@ -573,11 +573,15 @@ def test_bench_serve_smoke(tiny_ckpt):
 
 
 def test_remote_images_only_when_allowed(live, tmp_path):
-    """--allow-remote-images fetches http(s) URLs (a loopback file server here), capped at
-    the body limit; without it they are refused (see BAD)."""
+    """--allow-remote-images fetches http(s) URLs (a loopback file server here, so with
+    --allow-private-image-hosts too), capped at the body limit; without it they are refused
+    (see BAD).  Every fetch failure gets the same message (tests/test_serve_abuse.py: the
+    default refuses loopback)."""
     import functools
     import http.server
     import shutil
+
+    from photon_jax.serve.fetch import RemoteImages
 
     shutil.copy(SQ, tmp_path / "sq.png")
     (tmp_path / "big.bin").write_bytes(b"\0" * (3 << 20))   # over the 2 MiB limit
@@ -588,17 +592,20 @@ def test_remote_images_only_when_allowed(live, tmp_path):
     t.start()
     base = f"http://127.0.0.1:{files.server_address[1]}"
     live.state.config.allow_remote_images = True
+    live.state.intake.fetcher = RemoteImages(allow_private=True)
     try:
         st, _, out = call(live, "/v1/caption", {"image_url": base + "/sq.png",
                                                 "length": "short", "settings": S})
         with open(SQ, "rb") as f:
             assert st == 200 and out == live.md.caption(f.read(), "short", settings=S)
         st, _, out = call(live, "/v1/caption", {"image_url": base + "/big.bin"})
-        assert st == 400 and "limit" in out["error"]["message"]
+        assert st == 413 and "limit" in out["error"]["message"]
         st, _, out = call(live, "/v1/caption", {"image_url": base + "/missing.png"})
-        assert st == 400 and "cannot fetch" in out["error"]["message"]
+        assert st == 400 and "could not be fetched" in out["error"]["message"]
     finally:
         live.state.config.allow_remote_images = False
+        live.state.intake.fetcher.close()
+        live.state.intake.fetcher = None
         files.shutdown()
         t.join(10)
 
@@ -622,6 +629,12 @@ def test_segment_route_shapes_for_moondream3():
         can_segment = True
         config = types.SimpleNamespace(family="moondream3")
         engine = types.SimpleNamespace(max_context=2048, max_batch_size=4)
+
+        def _image_costs(self, raw, max_pixels):   # (decode bytes, crop bytes)
+            return 1 << 20, 1 << 20
+
+        def _prepare_image(self, raw, max_pixels, reduce):
+            return raw   # the stand-in's skills take the bytes
 
         def _segment(self, image, obj, refs, settings, metrics):
             seen.append((image[:8], obj, refs, settings))

@@ -5,13 +5,16 @@ load on a background thread, and uvicorn's graceful stop."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import logging
 import os
 import sys
 import threading
+import time
 
 from ..serve.app import Server, ServeConfig, create_app
+from ..serve.limits import MiB, ServerLimits, uvicorn_config
 from .flags import add_engine_flags, engine_flag_error, engine_options
 
 log = logging.getLogger("photon_jax.serve")
@@ -46,17 +49,53 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(ap, warmup=True, tensor_parallel=None,
                      batch_help="rows decoded together",
                      workers_help="threads decoding and cropping images")
-    ap.add_argument("--max-body-mb", type=float, default=20.0,
-                    help="largest request body (413 above)")
-    ap.add_argument("--max-queue", type=int, default=256,
-                    help="requests waiting beyond the batch before 429 (Retry-After)")
-    ap.add_argument("--request-timeout", type=float, default=600.0,
-                    help="seconds before a request is cancelled (504; 0 = none)")
-    ap.add_argument("--allow-remote-images", action="store_true",
-                    help="fetch http(s) image URLs (off: the server would fetch any URL a "
-                         "client names)")
-    ap.add_argument("--grace", type=float, default=30.0,
-                    help="seconds SIGTERM waits for in-flight requests before cancelling them")
+    lim = ServerLimits()
+    g = ap.add_argument_group("limits (docs/serving.md, \"Limits\")")
+    g.add_argument("--max-body-mb", type=float, default=20.0,
+                   help="largest request body (413 above)")
+    g.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting beyond the batch before 429 (Retry-After)")
+    g.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds before a request is cancelled (504; 0 = none)")
+    g.add_argument("--max-image-pixels", type=int, default=lim.max_image_pixels,
+                   help="largest image (width x height), refused from its header before "
+                        "decoding (default %(default)s)")
+    g.add_argument("--max-text-chars", type=int, default=lim.max_text_chars,
+                   help="longest question / object / message text (default %(default)s)")
+    g.add_argument("--body-timeout", type=float, default=lim.body_timeout,
+                   help="seconds for a whole request body to arrive (408 after)")
+    g.add_argument("--header-timeout", type=float, default=lim.header_timeout,
+                   help="seconds for a request's headers to arrive (the connection is "
+                        "closed after)")
+    g.add_argument("--max-connections", type=int, default=lim.max_connections,
+                   help="open connections and running requests before 503")
+    g.add_argument("--max-body-buffer-mb", type=float, default=lim.body_budget / MiB,
+                   help="memory for request bodies being read and parsed (each counts 3x "
+                        "its size; 503 after --wait)")
+    g.add_argument("--max-decode-mb", type=float, default=lim.decode_budget / MiB,
+                   help="memory for images being decoded (estimated from their headers)")
+    g.add_argument("--decode-threads", type=int, default=lim.decode_threads,
+                   help="threads decoding request images (their own pool)")
+    g.add_argument("--max-queued-images-mb", type=float, default=lim.queued_budget / MiB,
+                   help="memory for the crops of admitted requests' images (503 above)")
+    g.add_argument("--grace", type=float, default=30.0,
+                   help="seconds SIGTERM waits for in-flight requests; those still running "
+                        "a second before it ends are cancelled and answered 503")
+    t = ap.add_argument_group("callers")
+    t.add_argument("--allowed-hosts", default="",
+                   help="comma-separated Host names answered without an API key besides "
+                        "this machine's own (\"*\": any; for a keyless server behind a "
+                        "proxy that checks callers)")
+    t.add_argument("--allow-local-without-key", action="store_true",
+                   help="with --api-key: callers on this machine (loopback, no browser "
+                        "Origin) need no key (Station-style clients such as moonlabel)")
+    t.add_argument("--allow-remote-images", action="store_true",
+                   help="fetch http(s) image URLs of public addresses (off: the server "
+                        "would fetch any URL a client names)")
+    t.add_argument("--allow-private-image-hosts", action="store_true",
+                   help="with --allow-remote-images: also fetch from private, loopback and "
+                        "link-local addresses (dangerous: clients can then reach this "
+                        "machine's and its network's internal services)")
     ap.add_argument("--log-level", default="info",
                     choices=["critical", "error", "warning", "info", "debug"])
     return ap
@@ -77,19 +116,49 @@ def main(argv: list[str] | None = None) -> int:
     for flag, v in (("--request-timeout", args.request_timeout), ("--grace", args.grace)):
         if not v >= 0:
             ap.error(f"{flag} must be >= 0 seconds, got {v}")
+    for flag, v in (("--max-image-pixels", args.max_image_pixels),
+                    ("--max-text-chars", args.max_text_chars),
+                    ("--body-timeout", args.body_timeout),
+                    ("--header-timeout", args.header_timeout),
+                    ("--max-connections", args.max_connections),
+                    ("--max-body-buffer-mb", args.max_body_buffer_mb),
+                    ("--max-decode-mb", args.max_decode_mb),
+                    ("--decode-threads", args.decode_threads),
+                    ("--max-queued-images-mb", args.max_queued_images_mb)):
+        if not v > 0:
+            ap.error(f"{flag} must be positive, got {v}")
+    if args.allow_private_image_hosts and not args.allow_remote_images:
+        ap.error("--allow-private-image-hosts needs --allow-remote-images")
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     key = args.api_key if args.api_key is not None else os.environ.get("PHOTON_API_KEY") or None
+    hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
     if not key and not _is_loopback(args.host):
-        log.warning("binding %s without an API key: anyone who can reach this address can "
-                    "use the model; set --api-key or $PHOTON_API_KEY", args.host)
+        log.warning("binding %s without an API key: only requests whose Host is this "
+                    "machine's name (or --allowed-hosts %s) are answered; set --api-key or "
+                    "$PHOTON_API_KEY to serve other machines", args.host, ",".join(hosts))
+    if args.allow_local_without_key and not key:
+        ap.error("--allow-local-without-key needs an API key (--api-key or $PHOTON_API_KEY)")
     name = args.model_name or os.path.basename(os.path.normpath(args.model)) or args.model
     config = ServeConfig(api_key=key, max_body_bytes=int(args.max_body_mb * (1 << 20)),
                          max_queue=args.max_queue,
                          request_timeout=args.request_timeout or None,
-                         allow_remote_images=args.allow_remote_images, model_name=name)
+                         allow_remote_images=args.allow_remote_images, model_name=name,
+                         allowed_hosts=hosts,
+                         allow_local_without_key=args.allow_local_without_key,
+                         allow_private_image_hosts=args.allow_private_image_hosts,
+                         limits=ServerLimits(
+                             max_image_pixels=args.max_image_pixels,
+                             max_text_chars=args.max_text_chars,
+                             body_timeout=args.body_timeout,
+                             header_timeout=args.header_timeout,
+                             max_connections=args.max_connections,
+                             body_budget=int(args.max_body_buffer_mb * MiB),
+                             decode_budget=int(args.max_decode_mb * MiB),
+                             decode_threads=args.decode_threads,
+                             queued_budget=int(args.max_queued_images_mb * MiB)))
 
     def load():
         from ..api import Moondream
@@ -101,32 +170,49 @@ def main(argv: list[str] | None = None) -> int:
             if not self.should_exit:
                 log.info("signal %d: no new connections; finishing in-flight requests (up "
                          "to --grace %s s)", sig, args.grace)
+                # Requests still running shortly before the grace period ends are
+                # cancelled and answered by us (JSON 503 / a final stream event), not cut
+                # off by uvicorn's task cancellation (a plain-text 500, a stream with no end).
+                asyncio.get_event_loop().call_later(
+                    max(0.0, args.grace - min(1.0, args.grace / 4)), state.abort_all)
             super().handle_exit(sig, frame)
             # uvicorn re-raises the signal after its graceful stop (exit status 128 + sig);
             # a stop that finished its requests is a clean exit: status 0.
             self._captured_signals.clear()
 
     app = create_app(load, config)
-    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level,
-                                           timeout_graceful_shutdown=args.grace))
     state = app.state.server
+    server = GracefulServer(uvicorn_config(app, state.config.limits, host=args.host,
+                                           port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.grace))
 
-    watcher = threading.Thread(target=_watch_load, args=(state, server), daemon=True)
+    watcher = threading.Thread(target=_watch, args=(state, server), daemon=True)
     watcher.start()
     server.run()
     if state.load_error is not None:
         print(f"photon-serve: the model failed to load: {state.load_error}", file=sys.stderr)
         return 1
+    if state.engine_failure is not None:
+        print(f"photon-serve: {state.engine_failure}; exiting so that a supervisor restarts "
+              "the server", file=sys.stderr)
+        return 1
     return 0
 
 
-def _watch_load(state: Server, server) -> None:
-    """Stop the server if the model fails to load (it could never serve)."""
+def _watch(state: Server, server) -> None:
+    """Stop the server if the model fails to load (it could never serve), or if its engine
+    dies later (every request would get 503: exit non-zero so that a supervisor restarts
+    it; /health says 503 meanwhile)."""
     while not state.ready.wait(0.5):
         if state.load_error is not None:
             server.should_exit = True
             return
+    while not server.should_exit:
+        if state.engine_failure is not None:
+            log.error("%s; stopping the server", state.engine_failure)
+            server.should_exit = True
+            return
+        time.sleep(0.5)
 
 
 if __name__ == "__main__":

@@ -25,33 +25,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request as HTTPRequest
+from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import aio
 from ..api import EngineError, ImageError, RequestError
-from .inputs import (ApiError, Fields, bad, check_settings, decode_data_uri, fetch_image,
-                     openai_finish, parse_chat)
+from .compat import normalize
+from .fetch import RemoteImages
+from .inputs import ApiError, Fields, bad, check_settings, openai_finish, parse_chat
+from .intake import Intake
+from .limits import ServerLimits
 from .metrics import Metrics
+from .trust import Gate, require_json
 
 log = logging.getLogger("photon_jax.serve")
 
 LENGTHS = ("short", "normal", "long")
-# Bodies and data URIs above this are parsed / decoded on a worker thread: tens of ms of
-# JSON or base64 on the event loop would stall every other stream's next token.
-BIG = 1 << 20
 
 
 @dataclass
@@ -63,6 +63,10 @@ class ServeConfig:
     request_timeout: float | None = 600.0   # seconds; the request is cancelled after
     allow_remote_images: bool = False   # fetch http(s) image_url (capped at max_body_bytes)
     model_name: str = "moondream"       # /v1/models and the responses' "model"
+    allowed_hosts: tuple = ()           # Host names answered without a key, beyond local ones
+    allow_local_without_key: bool = False   # keyless loopback callers when a key is set
+    allow_private_image_hosts: bool = False  # remote images from private/loopback addresses
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
 
 # -- the app --------------------------------------------------------------------------------
@@ -86,6 +90,14 @@ class Server:
             self.ready.set()
         self.live: set = set()   # handles submitted by this server, pruned when done
         self.metrics = Metrics(self)
+        self.gate = Gate(config.api_key, config.allowed_hosts, config.allow_local_without_key)
+        fetcher = RemoteImages(max_workers=config.limits.fetch_threads,
+                               allow_private=config.allow_private_image_hosts) \
+            if config.allow_remote_images else None
+        self.intake = Intake(config.limits, config.max_body_bytes, fetcher)
+        self.stopping = False                 # set by abort_all (shutdown)
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # lifecycle
     def start_loading(self) -> threading.Thread | None:
@@ -107,8 +119,39 @@ class Server:
         return t
 
     def close(self) -> None:
+        self.intake.close()
         if self._owns and self.md is not None:
             self.md.close()   # finishes what is still running, frees the device
+
+    @property
+    def engine_failure(self) -> str | None:
+        """Why the loaded model's engine stopped (None while it runs): /health's 503."""
+        eng = getattr(self.md, "_engine", None)   # (None: not loaded yet, or closed)
+        if eng is None:
+            return None
+        if eng.failure is not None:
+            return f"the engine stopped after an error: {eng.failure!r}"
+        if not eng.alive and not eng._closing:
+            return "the engine's scheduler thread has stopped"
+        return None
+
+    def stop_event(self) -> asyncio.Event:
+        if self._stop is None:
+            self._stop = asyncio.Event()
+            self._loop = asyncio.get_running_loop()
+            if self.stopping:
+                self._stop.set()
+        return self._stop
+
+    def abort_all(self) -> None:
+        """(Shutdown, on the event loop's thread.)  Every request still running is
+        cancelled and answered: a JSON 503, or a stream's final error event."""
+        self.stopping = True
+        if self._stop is not None:
+            self._stop.set()
+        for h in list(self.live):
+            if not h.done():
+                h.cancel()
 
     @property
     def capacity(self) -> int:
@@ -118,17 +161,7 @@ class Server:
 
     # plumbing
     def _auth(self, request: HTTPRequest) -> None:
-        key = self.config.api_key
-        if not key:
-            return
-        got = request.headers.get("x-moondream-auth")
-        if got is None:
-            auth = request.headers.get("authorization", "")
-            got = auth[7:].strip() if auth[:7].lower() == "bearer " else None
-        if got is None or not hmac.compare_digest(got.encode(), key.encode()):
-            raise ApiError(401, "missing or wrong API key: send it in the X-Moondream-Auth "
-                           "header (or \"Authorization: Bearer KEY\")", "authentication_error",
-                           headers={"WWW-Authenticate": "Bearer"})
+        self.gate.check(request)
 
     def _model(self):
         if self.md is None:
@@ -139,51 +172,44 @@ class Server:
                            "when it is ready)", "not_ready", headers={"Retry-After": "5"})
         return self.md
 
-    async def _body(self, request: HTTPRequest) -> dict:
-        """The JSON object of the body, refused (413) past max_body_bytes without reading the
-        rest: Content-Length first, then a count while streaming."""
-        limit = self.config.max_body_bytes
-        cl = request.headers.get("content-length")
-        too_big = ApiError(413, f"request body over the {limit / (1 << 20):g} MiB limit "
-                           f"(--max-body-mb); send a smaller image (JPEG, downscaled)",
-                           "request_too_large")
-        if cl is not None:
-            if not cl.strip().isdigit():
-                raise bad("Content-Length is not a number")
-            if int(cl) > limit:
-                raise too_big
-        chunks, n = [], 0
+    async def _body(self, request: HTTPRequest, route: str):
+        """(body, its reservation): JSON declared, admission checked before a byte is read,
+        read and parsed by the intake, then the clients' spellings normalised."""
+        require_json(request)
+        if self.stopping:
+            raise ApiError(503, "the server is shutting down; retry on another instance",
+                           "server_error", headers={"Retry-After": "5"})
+        self._admit()
+        body, res = await self.intake.body(request)
         try:
-            async for chunk in request.stream():
-                n += len(chunk)
-                if n > limit:
-                    raise too_big
-                chunks.append(chunk)
-        except ClientDisconnect:
-            raise ApiError(499, "client closed the request while sending it",
-                           "cancelled") from None
-        raw = b"".join(chunks)
-        try:
-            body = json.loads(raw) if n < BIG else await asyncio.to_thread(json.loads, raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad(f"the body is not valid JSON ({e}); send a JSON object with "
-                       "Content-Type: application/json") from None
-        if not isinstance(body, dict):
-            raise bad(f"the body must be a JSON object, got {type(body).__name__}")
-        return body
+            body, warnings = normalize(body, route)
+        except ValueError as e:
+            res.release()
+            raise bad(str(e)) from None
+        for w in warnings:
+            log.warning("%s: %s", route, w)
+        return body, res
 
-    async def _image(self, url, param: str = "image_url"):
-        if not isinstance(url, str):
-            raise bad(f"{param} must be a string (a data:image/...;base64,... URI)", param)
-        if url.startswith(("http://", "https://")):
-            if not self.config.allow_remote_images:
-                raise bad(f"{param}: remote URLs are refused (the server would fetch them on "
-                           "your behalf); send the image inline as data:image/jpeg;base64,... "
-                           "or start the server with --allow-remote-images", param)
-            return await asyncio.to_thread(fetch_image, url, self.config.max_body_bytes)
-        if len(url) < BIG:
-            return decode_data_uri(url, param)
-        return await asyncio.to_thread(decode_data_uri, url, param)
+    def _text(self, f: Fields, name: str, required: bool = False, what: str = "") -> str | None:
+        """A string field, refused above max_text_chars before anything tokenizes it."""
+        v = f.take(name, str, required=required, what=what)
+        cap = self.config.limits.max_text_chars
+        if v is not None and len(v) > cap:
+            raise bad(f"{f.route}: field {name!r} has {len(v)} characters, more than the "
+                      f"{cap}-character limit (--max-text-chars); send a shorter text", name)
+        return v
+
+    def _refs(self, f: Fields, what: str):
+        refs = f.take("spatial_refs", list, what=what)
+        if refs is not None and len(refs) > self.config.limits.max_spatial_refs:
+            raise bad(f"{f.route}: {len(refs)} spatial_refs, more than "
+                      f"{self.config.limits.max_spatial_refs}; send fewer", "spatial_refs")
+        return refs
+
+    async def _image(self, md, url, param: str, held: list):
+        prep, res = await self.intake.image(md, url, param, self.config.allow_remote_images)
+        held.append(res)
+        return prep
 
     @property
     def in_flight(self) -> int:
@@ -193,13 +219,14 @@ class Server:
         return len(self.live)
 
     def _admit(self) -> None:
-        if self.in_flight >= self.capacity:
+        if self.in_flight + self.intake.reading >= self.capacity:
             raise ApiError(429, f"server busy: {self.in_flight} requests in flight (rows + "
                            f"--max-queue {self.config.max_queue}); retry after a moment",
                            "rate_limit_error", headers={"Retry-After": "1"})
 
-    def _submit(self, make):
-        """`make()` -> the API's `_Call` (submits at once); ValueErrors are the client's."""
+    def _submit(self, make, held=()):
+        """`make()` -> the API's `_Call` (submits at once); ValueErrors are the client's.
+        `held`: reservations released when the call's requests finish."""
         self._admit()
         try:
             call = make()
@@ -211,6 +238,8 @@ class Server:
         for h in call.handles:
             # (Scheduler thread; prometheus_client's metrics are thread-safe.)
             h.add_done_callback(self.metrics.finished)
+            for r in held:
+                h.add_done_callback(r.release)
         return call
 
     @staticmethod
@@ -229,13 +258,19 @@ class Server:
         timeout, cancels them (no row keeps decoding for nobody)."""
         work = asyncio.ensure_future(aio.wait_all(call.handles))
         gone = asyncio.ensure_future(_disconnected(request))
+        stop = asyncio.ensure_future(self.stop_event().wait())
         try:
-            done, _ = await asyncio.wait({work, gone}, timeout=self.config.request_timeout,
+            done, _ = await asyncio.wait({work, gone, stop},
+                                         timeout=self.config.request_timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
+            stop.cancel()
             if not work.done():
                 work.cancel()   # -> handle.cancel() for each
+        if stop in done or (work in done and self.stopping and
+                            any(h.cancel_requested for h in call.handles)):
+            raise SHUTDOWN   # (a request that finished by itself keeps its answer)
         if work in done:
             return
         if gone in done:
@@ -260,13 +295,18 @@ class Server:
 
         async def body():
             watch = asyncio.ensure_future(_cancel_when_gone(request, call.handles))
+            stop = self.stop_event()
             it = events.__aiter__()
             try:
                 while True:
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     try:
-                        ev = await asyncio.wait_for(it.__anext__(), left)
+                        ev = await _next_or_stop(it, stop, left)
                     except StopAsyncIteration:
+                        break
+                    except _Stopped:
+                        yield _event({"error": {"message": SHUTDOWN.message,
+                                                "type": SHUTDOWN.kind}, "completed": True})
                         break
                     except asyncio.TimeoutError:
                         ev = {"error": {"message": "request timed out after "
@@ -337,53 +377,70 @@ class Server:
 
     async def skill(self, request: HTTPRequest, route: str) -> Response:
         md = self._model()
-        body = await self._body(request)
-        f = Fields(body, route)
-        f.take("model", str, what="a string (ignored: this server runs one model)")
-        stream = f.take("stream", bool, False, what="true or false")
-        settings = check_settings(f.take("settings", dict, what="an object"),
-                                  md.engine.max_context)
-        if route == "query":
-            url = f.take("image_url", str, what="a data:image/...;base64,... URI")
-            image = None if url is None else await self._image(url)
-            question = f.take("question", str, required=True, what="a non-empty string")
-            reasoning = f.take("reasoning", bool, False, what="true or false")
-            refs = f.take("spatial_refs", list, what="a list of [x, y] points and "
-                          "[x_min, y_min, x_max, y_max] boxes")
-            f.done()
-            call = self._submit(lambda: md._query(image, question, reasoning, refs, stream,
-                                                  settings, False))
-        else:
-            image = await self._image(f.take("image_url", str, required=True,
-                                             what="a data:image/...;base64,... URI"))
-            if route == "caption":
-                length = f.take("length", str, "normal", what=f"one of {list(LENGTHS)}")
-                if length not in LENGTHS:
-                    raise bad(f"caption: length must be one of {list(LENGTHS)}, got "
-                               f"{length!r}", "length")
-                f.done()
-                call = self._submit(lambda: md._caption(image, length, stream, settings,
-                                                        False))
-            else:
-                obj = f.take("object", str, required=True, what="a non-empty string")
-                refs = f.take("spatial_refs", list, what="a list of points and boxes") \
-                    if route in ("point", "segment") else None
-                f.done()
-                if stream and route != "segment":
-                    raise bad(f"{route} does not stream; send stream false", "stream")
-                if route == "segment":
-                    call = self._submit(lambda: md._segment(image, obj, refs, settings,
-                                                            False))
-                else:
-                    key = "objects" if route == "detect" else "points"
-                    call = self._submit(lambda: md._locate(route, key, image, obj,
-                                                           settings, False))
+        body, res = await self._body(request, route)
+        held = []
+        try:
+            call, stream = await self._skill_call(md, body, route, held)
+        except BaseException:
+            for r in held:
+                r.release()
+            raise
+        finally:
+            res.release()   # the body's bytes: parsed, decoded and handed on by now
         if stream:
             events = self._segment_events(call) if route == "segment" else \
                 self._text_events(call)
             return self._sse(request, call, events, route)
         await self._finish(request, call)
         return JSONResponse(self._shape(call))
+
+    async def _skill_call(self, md, body: dict, route: str, held: list):
+        """Every field checked first, then the image decoded, then the request submitted:
+        -> (the API's call, stream?)."""
+        f = Fields(body, route)
+        f.take("model", str, what="a string (ignored: this server runs one model)")
+        stream = f.take("stream", bool, False, what="true or false")
+        settings = check_settings(f.take("settings", dict, what="an object"),
+                                  md.engine.max_context)
+        url = f.take("image_url", str, required=route != "query",
+                     what="a data:image/...;base64,... URI")
+        if route == "query":
+            question = self._text(f, "question", required=True, what="a non-empty string")
+            reasoning = f.take("reasoning", bool, False, what="true or false")
+            refs = self._refs(f, "a list of [x, y] points and [x_min, y_min, x_max, y_max] "
+                              "boxes")
+            f.done()
+            image = None if url is None else await self._image(md, url, "image_url", held)
+            return self._submit(lambda: md._query(image, question, reasoning, refs, stream,
+                                                  settings, False), held), stream
+        if route == "caption":
+            length = f.take("length", str, "normal", what=f"one of {list(LENGTHS)}")
+            if length not in LENGTHS:
+                raise bad(f"caption: length must be one of {list(LENGTHS)}, got "
+                          f"{length!r}", "length")
+            f.done()
+            image = await self._image(md, url, "image_url", held)
+            return self._submit(lambda: md._caption(image, length, stream, settings, False),
+                                held), stream
+        obj = self._text(f, "object", required=True, what="a non-empty string")
+        refs = None
+        if route == "segment":
+            refs = self._refs(f, "a list of points and boxes")
+        elif f.body.get("spatial_refs") is not None:
+            raise bad(f"{route} does not take spatial_refs (the model points or detects the "
+                      "named object in the whole image); drop the field, or ask with "
+                      "/v1/query, which does", "spatial_refs")
+        f.take("spatial_refs", list)
+        f.done()
+        if stream and route != "segment":
+            raise bad(f"{route} does not stream; send stream false", "stream")
+        image = await self._image(md, url, "image_url", held)
+        if route == "segment":
+            return self._submit(lambda: md._segment(image, obj, refs, settings, False),
+                                held), stream
+        key = "objects" if route == "detect" else "points"
+        return self._submit(lambda: md._locate(route, key, image, obj, settings, False),
+                            held), stream
 
     async def _segment_events(self, call):
         """The client's segment stream: bbox, the path (in one piece: it is parsed from the
@@ -405,11 +462,25 @@ class Server:
 
     async def chat(self, request: HTTPRequest) -> Response:
         md = self._model()
-        body = await self._body(request)
-        c = parse_chat(body, md.engine.max_context)
-        image = None if c["image"] is None else await self._image(c["image"], "messages")
-        call = self._submit(lambda: md._query(image, c["question"], c["reasoning"], None,
-                                              c["stream"], c["settings"], False))
+        body, res = await self._body(request, "chat")
+        held = []
+        try:
+            c = parse_chat(body, md.engine.max_context)
+            cap = self.config.limits.max_text_chars
+            if len(c["question"]) > cap:
+                raise bad(f"chat/completions: the message text has {len(c['question'])} "
+                          f"characters, more than the {cap}-character limit "
+                          "(--max-text-chars); send a shorter text", "messages")
+            image = None if c["image"] is None else \
+                await self._image(md, c["image"], "messages", held)
+            call = self._submit(lambda: md._query(image, c["question"], c["reasoning"], None,
+                                                  c["stream"], c["settings"], False), held)
+        except BaseException:
+            for r in held:
+                r.release()
+            raise
+        finally:
+            res.release()
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.config.model_name}
         if c["stream"]:
@@ -449,14 +520,30 @@ class Server:
             yield {**chunk, "choices": [], "usage": _usage(m)}
         yield "[DONE]"
 
+    def _model_card(self, md) -> dict:
+        return {"id": self.config.model_name, "object": "model", "created": 0,
+                "owned_by": "photon_jax", "family": md.config.family,
+                "max_context": md.engine.max_context}
+
     async def models(self, request: HTTPRequest) -> Response:
         md = self._model()
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.config.model_name, "object": "model", "created": 0,
-            "owned_by": "photon_jax", "family": md.config.family,
-            "max_context": md.engine.max_context}]})
+        return JSONResponse({"object": "list", "data": [self._model_card(md)]})
+
+    async def model(self, request: HTTPRequest) -> Response:
+        """GET /v1/models/{id} (the OpenAI SDK's models.retrieve)."""
+        md = self._model()
+        mid = request.path_params["model_id"]
+        if mid != self.config.model_name:
+            raise ApiError(404, f"model {mid!r} is not served here; this server runs "
+                           f"{self.config.model_name!r} (GET /v1/models)", "not_found", "model")
+        return JSONResponse(self._model_card(md))
 
     async def health(self, request: HTTPRequest) -> Response:
+        failure = self.engine_failure
+        if failure is not None:
+            return JSONResponse({"status": "error", "error": failure}, 503)
+        if self.stopping:
+            return JSONResponse({"status": "stopping"}, 503)
         if self.md is not None and self.ready.is_set():
             return JSONResponse({"status": "ok", "model": self.config.model_name})
         if self.load_error is not None:
@@ -466,6 +553,33 @@ class Server:
     async def prometheus(self, request: HTTPRequest) -> Response:
         return Response(generate_latest(self.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
+
+
+SHUTDOWN = ApiError(503, "the server is shutting down and cancelled this request; retry on "
+                    "another instance", "server_error", headers={"Retry-After": "5"})
+
+
+class _Stopped(Exception):
+    """The server began its shutdown while a stream was waiting for its next event."""
+
+
+async def _next_or_stop(it, stop: asyncio.Event, timeout: float | None):
+    """The stream's next event, or _Stopped once `stop` is set, or asyncio.TimeoutError."""
+    nxt = asyncio.ensure_future(it.__anext__())
+    halt = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait({nxt, halt}, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        halt.cancel()
+    if nxt in done and halt not in done:
+        return nxt.result()
+    nxt.cancel()   # (shutdown wins a tie: the event may be the cancellation's own end)
+    with contextlib.suppress(BaseException):
+        await nxt
+    if halt in done:
+        raise _Stopped
+    raise asyncio.TimeoutError
 
 
 def _usage(m: dict) -> dict:
@@ -540,6 +654,8 @@ def create_app(model, config: ServeConfig | None = None) -> Starlette:
     routes += [Route("/v1/segment", wrap("segment", server.segment), methods=["POST"]),
                Route("/v1/chat/completions", wrap("chat", server.chat), methods=["POST"]),
                Route("/v1/models", wrap("models", server.models), methods=["GET"]),
+               Route("/v1/models/{model_id:path}", wrap("models", server.model),
+                     methods=["GET"]),
                Route("/health", server.health, methods=["GET"]),
                Route("/metrics", prometheus, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan,

@@ -2,22 +2,15 @@
 
 Owns: `ApiError` (a refused request: status, message, type; its JSON response), `Fields`
 (typed field access that refuses unknown fields), the server's settings bound (max_tokens
-within the context), image inputs (`decode_data_uri`; `fetch_image` for
---allow-remote-images) and OpenAI chat requests mapped to one `query` (`parse_chat`).
+within the context) and OpenAI chat requests mapped to one `query` (`parse_chat`).  Bodies
+and images are the intake's (`intake`).
 Everything here is pure: no model, no event loop.  Every message names the input and the
 fix.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import re
-import urllib.request
-
 from starlette.responses import JSONResponse
-
-DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*),", re.S)
 
 
 class ApiError(Exception):
@@ -90,49 +83,6 @@ def check_settings(settings, max_context: int, param: str = "settings") -> dict 
         raise bad(f"{param}.max_tokens={mt} is more than the model's context of "
                    f"{max_context} tokens (image and prompt included); ask for fewer", param)
     return settings
-
-
-def decode_data_uri(url: str, param: str = "image_url") -> bytes:
-    """`data:image/...;base64,...` -> the file's bytes (decoded later, by the engine's image
-    workers: format, size and decompression-bomb checks are the API's own)."""
-    m = DATA_URI.match(url)
-    if not m:
-        raise bad(f"{param} must be a data URI such as \"data:image/jpeg;base64,...\" (remote "
-                   "URLs are refused unless the server runs with --allow-remote-images)", param)
-    if m.group("mime") and not m.group("mime").startswith("image/"):
-        raise bad(f"{param} is a data URI of {m.group('mime')!r}, not an image; send "
-                   "data:image/jpeg;base64,... (or png, webp...)", param)
-    if ";base64" not in m.group("params"):
-        raise bad(f"{param} must be base64-encoded: data:image/...;base64,<data>", param)
-    data = url[m.end():]
-    try:
-        raw = base64.b64decode(re.sub(r"\s+", "", data), validate=True)
-    except (binascii.Error, ValueError):
-        raise bad(f"{param}: the base64 data does not decode (invalid characters or "
-                   "padding); encode the image file with standard base64", param) from None
-    if not raw:
-        raise bad(f"{param}: the data URI holds no bytes", param)
-    return raw
-
-
-def fetch_image(url: str, limit: int, timeout: float = 15.0) -> bytes:
-    """(A worker thread.)  An http(s) image, at most `limit` bytes, for --allow-remote-images."""
-    req = urllib.request.Request(url, headers={"User-Agent": "photon-serve"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:   # noqa: S310 - opt-in
-            n = r.headers.get("Content-Length")
-            if n is not None and n.isdigit() and int(n) > limit:
-                raise bad(f"image_url: the remote image is {n} bytes, more than the "
-                           f"{limit}-byte limit (--max-body-mb)", "image_url")
-            raw = r.read(limit + 1)
-    except ApiError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any fetch failure is the client's URL
-        raise bad(f"image_url: cannot fetch {_short(url)}: {e}", "image_url") from None
-    if len(raw) > limit:
-        raise bad(f"image_url: the remote image is more than the {limit}-byte limit "
-                   "(--max-body-mb)", "image_url")
-    return raw
 
 
 # -- chat completions -----------------------------------------------------------------------
