@@ -31,7 +31,7 @@ import numpy as np
 
 from photon_jax.base.dtypes import canonical
 from photon_jax.model import checkpoint
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from photon_jax.model import quant
 from photon_jax.model.config import ConfigError, from_hf_config_json, MoondreamConfig, Weights
@@ -40,10 +40,12 @@ from photon_jax.model.tokenizer import load_tokenizer, TokenizerError
 
 from . import quantized
 from .names import Target, canonical_name, hf_table, looks_md3, stored_shape
-from .safetensors_io import DTYPES, SafetensorsError, index_checkpoint, read_tensor
+from .safetensors_io import (DTYPES, SafetensorsError, index_checkpoint, read_tensor,
+                             snapshot_file)
 
 CONVERTER_VERSION = "2"   # 2: published quantized layouts, --weights
 _NP = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+_MAX_CONFIG_BYTES = 10_000_000
 
 
 class ConvertError(ValueError):
@@ -56,6 +58,15 @@ def _leaf_shapes(cfg):
 
 def plan(cfg: MoondreamConfig, tensors: dict) -> list[tuple[object, Target, bool]]:
     """Match stored tensors to the tree; raise ConvertError listing every problem."""
+    # Every layer stores at least one tensor.  A config.json claiming more layers than the
+    # checkpoint has tensors cannot match it, and listing the names of, say, 10^8 layers
+    # would take an hour and gigabytes before saying so.
+    layers = cfg.text.n_layers + cfg.vision.enc_n_layers
+    if layers > len(tensors):
+        raise ConvertError(
+            f"config.json describes {cfg.text.n_layers} text and {cfg.vision.enc_n_layers} "
+            f"vision layers, but the checkpoint holds only {len(tensors)} tensors: the "
+            "config does not belong to these weights; use the snapshot's own config.json")
     table = hf_table(cfg)
     leaves = _leaf_shapes(cfg)
     matched, unexpected, misshapen, bad_dtype, dup = {}, [], [], [], []
@@ -133,6 +144,7 @@ def index_weights(hf_dir: str):
             "model.safetensors", "model.safetensors.index.json")):
         from .torch_zip import index_torch_checkpoint
 
+        pt = snapshot_file(hf_dir, "model_fp8.pt")   # no symlink out of the snapshot
         return index_torch_checkpoint(pt), [pt]
     return index_checkpoint(hf_dir)
 
@@ -170,14 +182,29 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", tokenizer: st
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise ConvertError(f"{cfg_path} not found: the HF snapshot's config.json is needed")
+    # The snapshot's own files are read only inside it (safetensors_io.snapshot_file: a
+    # symlink may lead into the snapshot or its Hugging Face cache blobs, nowhere else); a
+    # --tokenizer the user names is theirs to choose.
+    try:
+        snapshot_file(hf_dir, "config.json")
+        if tokenizer is None:
+            snapshot_file(hf_dir, "tokenizer.json")
+    except SafetensorsError as e:
+        raise ConvertError(str(e)) from None
+    if os.path.getsize(cfg_path) > _MAX_CONFIG_BYTES:   # a real one is a few KB
+        raise ConvertError(f"{cfg_path}: {os.path.getsize(cfg_path):,} bytes, too large for a "
+                           "model config; re-download it")
     try:
         with open(cfg_path) as f:
             cfg_json = json.load(f)
         cfg = from_hf_config_json(cfg_json, dtype=dtype)
-    except json.JSONDecodeError as e:
-        raise ConvertError(f"{cfg_path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ConvertError(f"{cfg_path}: not valid JSON (nested too deeply)") from None
     except ConfigError as e:
         raise ConvertError(f"{cfg_path}: {e}") from None
+    except (ValueError, OverflowError) as e:   # JSONDecodeError, 5000-digit ints, 1e400
+        raise ConvertError(f"{cfg_path}: not valid JSON or an impossible value "
+                           f"({str(e)[:200]})") from None
     tok_path = tokenizer or os.path.join(hf_dir, "tokenizer.json")
     try:
         load_tokenizer(tok_path)
@@ -194,6 +221,8 @@ def convert(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16", tokenizer: st
             cfg = from_hf_config_json(cfg_json, dtype=dtype, md3=True)
         except ConfigError as e:
             raise ConvertError(f"{cfg_path}: {e}") from None
+        except (ValueError, OverflowError) as e:
+            raise ConvertError(f"{cfg_path}: an impossible value ({str(e)[:200]})") from None
     try:
         tensors, published = quantized.group(tensors, cfg.text.n_heads)
     except quantized.QuantizedLayoutError as e:

@@ -161,10 +161,11 @@ def group(tensors: dict, n_heads: int) -> tuple[dict, list[str]]:
                 found.append("fp8 experts")
         if hf.endswith(".attn.tau.wqwv"):
             base = hf[: -len("wqwv")]
-            rows = ref.shape[0]
-            if rows != 2 * n_heads:
+            if len(ref.shape) != 2 or ref.shape[0] != 2 * n_heads:
                 raise QuantizedLayoutError(
-                    f"{name}: {rows} rows, expected 2 x {n_heads} heads (wq, then wv)")
+                    f"{name}: shape {list(ref.shape)}, expected [2 x {n_heads} heads, dim] "
+                    "(wq's rows, then wv's)")
+            rows = ref.shape[0]
             take(hf)
             out[base + "wq"] = RowSlice(base + "wq", ref, 0, n_heads)
             out[base + "wv"] = RowSlice(base + "wv", ref, n_heads, rows)

@@ -265,7 +265,10 @@ def find_tokenizer(snapshot: str) -> tuple[str, str]:
     snapshot's own).  Raises SourceError naming the file to fetch when none is found."""
     from .model.tokenizer import STARMIE_HINT, TokenizerError, load_tokenizer
 
-    own = os.path.join(snapshot, "tokenizer.json")
+    from .convert.safetensors_io import snapshot_file
+
+    # Raises when the snapshot's tokenizer.json is a symlink out of it (the converter's rule).
+    own = snapshot_file(snapshot, "tokenizer.json")
     problem = f"{snapshot} has no tokenizer.json"
     if os.path.isfile(own):
         try:
@@ -406,6 +409,12 @@ def converted(snapshot: str, *, dtype=None, log=None) -> str:
     """The cache entry of `snapshot` converted to `dtype` (see `resolve`), converting it now if
     it is not there yet."""
     log = log or _stderr
+    from .convert.safetensors_io import snapshot_file
+
+    # config.json and the index are hashed for the cache key before the converter reads
+    # them: refuse first, as it would, any that is a symlink out of the snapshot.
+    for name in ("config.json", "model.safetensors.index.json"):
+        snapshot_file(snapshot, name)
     tokenizer, note = find_tokenizer(snapshot)
     tensors, files = _weights(snapshot)
     dt = storage_dtype(dtype, tensors)
