@@ -226,7 +226,7 @@ def test_bad_images_fail_alone_and_the_rest_are_captioned(tiny_ckpt, tmp_path, e
     err = capfd.readouterr().err
     assert rc == 1   # some images failed
     recs = {os.path.basename(r["path"]): r for r in read_jsonl(jl)}
-    reasons = {"garbage.jpg": "not an image PIL can read", "empty.png": "empty (0 bytes)",
+    reasons = {"garbage.jpg": "not an image in an accepted format", "empty.png": "empty (0 bytes)",
                "truncated.png": "truncated", "huge.png": "too large"}
     assert set(recs) == set(expected) | set(reasons)
     for name, why in reasons.items():

@@ -26,9 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Moondream model (a photon-convert directory, a Hugging Face snapshot or "
                     "a hub id).  Re-running skips "
                     "images already done, so an interrupted run is finished by running it "
-                    "again.  Exit code: 0 all done, 1 some images failed (or a device error "
-                    "stopped the run), 2 bad arguments or model, "
-                    "130 interrupted.",
+                    "again.  Exit code: 0 all done, 1 some images failed (or a device error, "
+                    "or an output that cannot be written, such as on a full disk, stopped "
+                    "the run), 2 bad arguments or model, 130 interrupted.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("inputs", nargs="+", metavar="INPUT",
                     help="directories, globs (quoted; ** recurses), image files, or list "
@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="put sidecars here, mirroring each input's tree, instead of next to "
                          "the images")
     ap.add_argument("--jsonl", default=None, metavar="FILE",
-                    help="append one JSON line per image: path, caption (null on failure), "
-                         "finish_reason, output_tokens, error")
+                    help="append one JSON line per image: path (absolute; with path_b64, "
+                         "its exact bytes, when the name is not UTF-8), caption (null on "
+                         "failure), finish_reason, output_tokens, error")
     ap.add_argument("--overwrite", action="store_true",
                     help="redo images already done (their old JSONL records are removed)")
     ap.add_argument("--devices", default="0",
@@ -81,8 +82,8 @@ def run(args: argparse.Namespace) -> job.Summary:
 
 
 def main(argv=None) -> int:
-    """photon-caption's entry point -> the exit code (0 done, 1 some images failed, 2 bad
-    usage or model, 130 interrupted)."""
+    """photon-caption's entry point -> the exit code (0 done, 1 some images failed or the run
+    stopped on a device error or a failed write, 2 bad usage or model, 130 interrupted)."""
     args = build_parser().parse_intermixed_args(argv)
     # SIGTERM (a plain `kill`, a scheduler's preemption) stops like Ctrl-C: completed images
     # are written, the run says what is left.

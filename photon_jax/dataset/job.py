@@ -2,9 +2,10 @@
 group of devices), into the outputs `files` names.
 
 Owns: the engines' load, the window of requests kept in flight on each engine (images dealt
-round-robin), the record of each finished image, progress, interrupts, the failure summary
-and the exit code (`Summary`).  The inputs and outputs are `files`'; the command line is
-`photon_jax.cli.caption`.
+round-robin), the record of each finished image, progress, interrupts, the stop on an output
+that cannot be written (a full disk: what was done and what was not, the file, the fix, exit
+code 1), the failure summary and the exit code (`Summary`).  The inputs and outputs are
+`files`'; the command line is `photon_jax.cli.caption`.
 
 Image decoding and cropping run on the engine's worker threads while the device decodes; the
 window (twice the batch size per engine) keeps prepared images queued so rows never wait.
@@ -21,8 +22,9 @@ import sys
 import threading
 import time
 
-from .files import (Item, Jsonl, UsageError, check_collisions, discover, is_done, sidecar_path,
-                    write_atomic)
+from .files import (DISK_ERRNOS, Item, Jsonl, OutputError, UsageError, check_collisions,
+                    discover, is_done, is_utf8, record_path, remove_stale_temps, shown,
+                    sidecar_path, write_atomic)
 
 SHOW_FAILURES = 20   # the end-of-run summary lists this many failures (all go to the JSONL)
 
@@ -109,7 +111,7 @@ class Summary:
     captioned: int = 0
     failed: int = 0
     skipped: int = 0          # done before this run
-    not_done: int = 0         # left by an interrupt or a device error
+    not_done: int = 0         # left by an interrupt, a device error or a failed write
     tokens: int = 0
     seconds: float = 0.0
     devices: int = 0
@@ -189,6 +191,12 @@ class Run:
                         self.record(it, h, log)
                         del inflight[h]
                     raise KeyboardInterrupt
+        except OutputError:
+            # Nothing more can be written: what runs is cancelled (not waited for by the
+            # engines' close) and left for the next run.
+            for h in inflight:
+                h.cancel()
+            raise
         finally:
             bar.close()
             self.stats.seconds = time.perf_counter() - t0
@@ -202,12 +210,16 @@ class Run:
             try:
                 write_atomic(sidecar, out["caption"])
             except OSError as e:
-                out = {**out, "caption": None, "error": f"cannot write {sidecar!r}: {e}"}
-        rec = {"path": it.path, **out}
+                if e.errno in DISK_ERRNOS:   # every later write would fail too: stop
+                    raise OutputError(sidecar, e) from None
+                out = {**out, "caption": None,
+                       "error": f"cannot write {shown(sidecar)}: {e.strerror or e}"}
+        # Keyed by the absolute path, so a resume from any working directory finds it.
+        rec = {**record_path(it.key), **out}
         if self.args.prompt is not None:
             rec["prompt"] = self.args.prompt
         if self.jsonl is not None:
-            self.jsonl.append(rec)
+            self.jsonl.append(rec)   # OutputError stops the run; this image is not done
         if out["error"] is None:
             self.stats.captioned += 1
             self.stats.tokens += out["output_tokens"]
@@ -229,6 +241,11 @@ def run(args, engine_options: dict) -> Summary:
         raise UsageError("--output-dir places sidecars; it cannot go with --no-sidecar")
     if args.prompt is not None and not args.prompt.strip():
         raise UsageError("--prompt is empty; give a question, or drop it to caption")
+    for flag, text in (("--prompt", args.prompt), ("--prepend", args.prepend),
+                       ("--append", args.append)):
+        if text is not None and not is_utf8(text):   # it would go into every output
+            raise UsageError(f"{flag} is not valid UTF-8 (a byte of another encoding on the "
+                             "command line); give it as UTF-8 text")
     items = discover(args.inputs, args.recursive, warn=log)
     if not items:
         raise UsageError("no images found in the inputs")
@@ -238,11 +255,19 @@ def run(args, engine_options: dict) -> Summary:
         check_collisions(items, [sidecars[it.key] for it in items])
 
     jsonl = Jsonl(args.jsonl) if args.jsonl else None
-    recorded = jsonl.load(warn=log) if jsonl else set()
+    try:
+        outputs = [] if args.no_sidecar else [sidecars[it.key] for it in items]
+        if n := remove_stale_temps(outputs + ([args.jsonl] if jsonl else [])):
+            log(f"photon-caption: removed {n} temporary file(s) left by an interrupted run")
+        recorded = jsonl.load(warn=log) if jsonl else set()
+        if args.overwrite and jsonl:
+            jsonl.drop({it.key for it in items})
+    except OutputError as e:
+        log(f"photon-caption: 0 captioned, {len(items)} not done; stopped before "
+            f"captioning: {e}; {e.advice}")
+        return Summary(not_done=len(items), exit_code=EXIT_FAILED)
     if args.overwrite:
         todo = items
-        if jsonl:
-            jsonl.drop({it.key for it in items})
     else:
         todo = [it for it in items if not is_done(it, sidecars[it.key], jsonl, recorded)]
         redo = sum(1 for it in todo if sidecars[it.key] and os.path.exists(sidecars[it.key]))
@@ -278,11 +303,16 @@ def run(args, engine_options: dict) -> Summary:
         interrupted = True
     except EngineError as e:   # a device failure: every request in flight failed with it
         fatal = e
+    except OutputError as e:   # a full disk: nothing more can be written
+        fatal = e
     finally:
         for m in models:
             m.close()
         if jsonl:
-            jsonl.close()
+            try:
+                jsonl.close()
+            except OutputError as e:   # its flush to disk failed: the records may be lost
+                fatal = fatal or e
     out = dataclasses.replace(
         r.stats, skipped=skipped, not_done=len(todo) - r.stats.captioned - r.stats.failed,
         devices=len(devices), load_seconds=load_s,
@@ -299,7 +329,9 @@ def run(args, engine_options: dict) -> Summary:
         f"skipped (done before), {out.not_done} not done; {out.images_per_s:.2f} images/s, "
         f"{out.tokens_per_s:.1f} tokens/s over {out.seconds:.1f} s on {out.devices} "
         "device(s)")
-    if fatal is not None:
+    if isinstance(fatal, OutputError):
+        log(f"photon-caption: stopped: {fatal}; {fatal.advice}")
+    elif fatal is not None:
         log(f"photon-caption: stopped: {fatal}; re-run to finish the remaining images")
     return out
 
