@@ -1,8 +1,7 @@
 """Run in its own process by tests/test_mesh.py (JAX's CPU device count is fixed when JAX
 starts): every public surface on one device and on a mesh of CPU devices, printed as one
-JSON object, one entry per case, for the test to compare.  All cases share one process
-with DEVICES CPU devices (its converted fixtures, and the programs they have in common);
-each case splits over the first CASE_DEVICES[case] of them.
+JSON object, one entry per case, for the test to compare.  The cases of one device count
+share a process: its converted fixtures, and the programs they have in common.
 
 usage: python tests/mesh_check.py DEVICES CASE[,CASE...]
 """
@@ -29,10 +28,7 @@ from photon_jax.model import Model  # noqa: E402
 
 FIX = os.path.dirname(helpers.FIXTURE_DIR)
 HF2, HF3 = os.path.join(FIX, "moondream2-tiny"), os.path.join(FIX, "moondream3-tiny")
-# How many chips each case splits over: four for the fixtures, the heads and the documented
-# load; two for the variants and the TPU kernel (more heads per chip).
-CASE_DEVICES = {"fixtures": 4, "heads": 4, "load": 4, "variants": 2, "tpu": 2}
-MESH = None   # the current case's mesh (set by run_case)
+MESH = Mesh(np.array(jax.devices()[:DEVICES]), ("model",))
 
 
 def with_heads(model: Model, n_heads: int, n_kv_heads: int, seed: int) -> Model:
@@ -136,14 +132,11 @@ def main() -> None:
     MD2, MD3 = converted(HF2, os.path.join(tmp, "md2")), converted(HF3, os.path.join(tmp, "md3"))
     result = {}
     for case in CASES:
-        result[case] = run_case(case, CASE_DEVICES[case])
+        result[case] = run_case(case)
     print("MESH-RESULT " + json.dumps(result, sort_keys=True, default=str))
 
 
-def run_case(case: str, n: int) -> dict:
-    global MESH
-    assert n <= DEVICES, f"{case} needs {n} devices, the process has {DEVICES}"
-    MESH = Mesh(np.array(jax.devices()[:n]), ("model",))
+def run_case(case: str) -> dict:
     out = {}
     if case == "fixtures":
         # The fixture models (one kv head: the pool stays whole on each chip; the linear
@@ -157,8 +150,8 @@ def run_case(case: str, n: int) -> dict:
     elif case == "heads":
         # Heads that divide over the mesh: the pool and the attention split by kv heads.
         base2, base3 = Model.load(MD2), Model.load(MD3)
-        md2 = with_heads(base2, n, n, 11)
-        md3 = with_heads(base3, n, n, 12)
+        md2 = with_heads(base2, DEVICES, DEVICES, 11)
+        md3 = with_heads(base3, DEVICES, DEVICES, 12)
         out["one"] = helpers.run_surfaces([md2, md3], pipelined=True)
         meshed = [on_mesh(md2), on_mesh(md3)]
         out["layout"] = [layout(m) for m in meshed]
@@ -171,7 +164,7 @@ def run_case(case: str, n: int) -> dict:
                                                     kv_cache_tokens=2048)
     elif case == "variants":
         # GQA (2 query heads per kv head), the XLA sweep and an 8-bit pool, on the mesh.
-        md2 = with_heads(Model.load(MD2), 2 * n, n, 13)
+        md2 = with_heads(Model.load(MD2), 2 * DEVICES, DEVICES, 13)
         for name, kw, ekw in (("gqa", {}, {}), ("xla", {"attention": "xla"}, {}),
                               ("int8", {}, {"kv_dtype": "int8"})):
             res = []
@@ -190,7 +183,7 @@ def run_case(case: str, n: int) -> dict:
         # The TPU kernel (under the Pallas interpreter) over its packed pool, split by kv
         # heads: 2 heads per pool row, 2 rows per chip.
         # An int8 pool too: its scales [rows, P, 2B] split with the codes.
-        md2 = with_heads(Model.load(MD2), 4 * n, 4 * n, 14)
+        md2 = with_heads(Model.load(MD2), 4 * DEVICES, 4 * DEVICES, 14)
         res, shapes = [], []
         for kv in (None, "int8"):
             for m in (Model(md2.cfg, md2.params, md2.prompts.tok, attention="xla"),
@@ -212,7 +205,7 @@ def run_case(case: str, n: int) -> dict:
     elif case == "load":
         # The documented call: Moondream.load(path, mesh=...) and tensor_parallel=.
         res = []
-        for kw in ({}, {"mesh": MESH}, {"tensor_parallel": n}):
+        for kw in ({}, {"mesh": MESH}, {"tensor_parallel": DEVICES}):
             md = Moondream.load(HF3, max_batch_size=4, compile_cache=False, **kw)
             try:
                 res.append([md.caption(LAND, "short", settings=GREEDY),

@@ -1,8 +1,8 @@
 """One engine over a mesh of CPU devices gives one device's results, token for token
 (`photon_jax.model.sharding`).  JAX fixes its CPU device count when it starts, so the cases
-run in `tests/mesh_check.py` with --xla_force_host_platform_device_count: one process of
-four CPU devices for every case (a module fixture), the 2-device cases on two of them,
-sharing its converted fixtures and compiled programs."""
+run in `tests/mesh_check.py` with --xla_force_host_platform_device_count: one process for
+the 4-device cases and one for the 2-device cases (module fixtures), sharing their
+converted fixtures and compiled programs."""
 
 import json
 import os
@@ -31,18 +31,13 @@ def assert_same(got: dict, want: dict, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def cases():
-    return run_cases(4, ["fixtures", "heads", "load", "variants", "tpu"])
+def four():
+    return run_cases(4, ["fixtures", "heads", "load"])
 
 
 @pytest.fixture(scope="module")
-def four(cases):
-    return cases
-
-
-@pytest.fixture(scope="module")
-def two(cases):
-    return cases
+def two():
+    return run_cases(2, ["variants", "tpu"])
 
 
 def test_fixtures_on_4_devices_equal_one_device(four):
