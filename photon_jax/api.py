@@ -22,6 +22,8 @@ result dicts are exactly Moondream's.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import dataclasses
 import math
@@ -43,12 +45,13 @@ from .model.loaded import Model
 from .model import pixels
 from .model.pixels import ImageError
 from .model.sharding import make_mesh
+from .model.chat import ChatError, parse_messages, render
 from .model.tokenizer import spatial_refs_prompt
 
 # What callers (and the command lines and the server above this module) use by name: the
 # errors a call can raise, the handles it returns, and the mesh helper of `load(mesh=)`.
 __all__ = ["Moondream", "BatchError", "EncodedImage", "Handle", "EngineError",
-           "RequestError", "SettingsError", "ImageError", "make_mesh"]
+           "RequestError", "SettingsError", "ImageError", "ChatError", "make_mesh"]
 
 if TYPE_CHECKING:
     import numpy as np
@@ -394,6 +397,64 @@ class Moondream:
                             lambda r: {"path": r["path"], "bbox": r["bbox"]},
                             return_metrics=return_metrics)
 
+    def chat(self, messages: list, *, reasoning: bool | None = None, stream: bool = False,
+             settings: dict | None = None, return_metrics: bool = False):
+        """Answer the last user message of a conversation, rendered as Moondream's own engine
+        (kestrel 0.9.2) renders chat: one query block per user turn, a system message folded
+        into the first user turn (photon_jax.model.chat).
+
+        messages: OpenAI-shaped {"role": "system" | "user" | "assistant", "content": text or
+        a list of {"type": "text", "text"} and image parts}; an image part is
+        {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}} or
+        {"type": "image", "image": <anything `query` takes as an image>}.  This engine places
+        an image at the start of the conversation only: at most one image, in the first
+        user message (anything else is refused by name).
+        reasoning: Moondream's grounded reasoning before the answer; None = on, as kestrel's
+        chat defaults.  settings: `query`'s, with "json_schema" / "regex" / "choices" to hold
+        the answer to a shape.
+        -> {"message": {"role": "assistant", "content", ["reasoning", "reasoning_details":
+        {"grounding"}]}, "finish_reason"}.  stream=True: an iterator of deltas,
+        {"reasoning", "reasoning_details"} first when reasoning, then {"content": piece} per
+        text piece, then {"finish_reason"}."""
+        call = self._chat(messages, reasoning, stream, settings, return_metrics)
+        if stream:
+            return _chat_deltas(call.handles[0])
+        return call.wait()
+
+    async def achat(self, messages: list, *, reasoning: bool | None = None,
+                    stream: bool = False, settings: dict | None = None,
+                    return_metrics: bool = False):
+        """`chat` for asyncio; stream=True returns an async iterator of the same deltas."""
+        call = self._chat(messages, reasoning, stream, settings, return_metrics)
+        if stream:
+            return _achat_deltas(call.handles[0])
+        return await call.wait_async()
+
+    def _chat(self, messages, reasoning, stream, settings, return_metrics) -> "_Call":
+        m = self._m
+        if reasoning is None:
+            reasoning = True
+        if not isinstance(reasoning, bool):
+            raise ValueError(f"reasoning must be True, False or None, got {reasoning!r}")
+        s = parse(settings)
+        turns = parse_messages(messages, _chat_image)
+        c = render(turns, family=m.cfg.family, query_prefix=m.cfg.tokenizer.query_prefix,
+                   encode=m.prompts.encode, reasoning=reasoning)
+        if len(c.images) > 1:
+            raise ChatError(f"messages carry {len(c.images)} images; this engine takes at most "
+                            "one image per conversation (in the first user message): send "
+                            "one image, or ask about each image in its own conversation")
+        if c.images and c.image_at[0] != 0:
+            raise ChatError("the image is not in the first message of the conversation; this "
+                            "engine places an image only at the start: put it in the first "
+                            "user message (before any assistant turn)")
+        image = c.images[0] if c.images else None
+        prompt = c.ids if image is not None else [m.cfg.tokenizer.bos_id] + c.ids
+        req = Request("text", prompt, image, s, reasoning=reasoning)
+        return self._submit(image, _Shared(None), stream, lambda img, _: req,
+                            lambda r: _chat_result(r, reasoning), optional_image=True,
+                            return_metrics=return_metrics)
+
     # -- plumbing -----------------------------------------------------------------------
 
     def _caption_maker(self, length: str, settings):
@@ -513,6 +574,68 @@ class _Call:
         if any(e is not None for e in errors):
             raise BatchError(results, errors)
         return results
+
+
+def _chat_image(part: dict, where: str):
+    """A chat image part -> what `Request` takes as an image."""
+    if part.get("type") == "image":
+        if part.get("image") is None:
+            raise ChatError(f"{where}: an image part needs 'image' (a path, bytes, PIL image, "
+                            "array or EncodedImage)")
+        return part["image"]
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str):
+        raise ChatError(f"{where}: an image_url part needs {{\"image_url\": {{\"url\": "
+                        "\"data:image/...;base64,...\"}}")
+    head, sep, data = url.strip().partition(",")
+    if not (head.startswith("data:") and head.endswith(";base64") and sep):
+        raise ChatError(f"{where}: an image_url must be a base64 data: URL "
+                        "(data:image/...;base64,...); for a file, use {\"type\": \"image\", "
+                        "\"image\": path}")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ChatError(f"{where}: the image_url's base64 payload is malformed") from None
+
+
+def _chat_result(r: dict, reasoning: bool) -> dict:
+    """A text request's result -> kestrel's chat output."""
+    message = {"role": "assistant", "content": r["text"]}
+    if reasoning and r.get("reasoning") is not None:
+        message["reasoning"] = r["reasoning"]["text"]
+        if r["reasoning"]["grounding"]:
+            message["reasoning_details"] = {"grounding": r["reasoning"]["grounding"]}
+    return {"message": message, "finish_reason": r["finish_reason"]}
+
+
+def _reasoning_delta(rs: dict) -> dict:
+    d = {"reasoning": rs["text"]}
+    if rs["grounding"]:
+        d["reasoning_details"] = {"grounding": rs["grounding"]}
+    return d
+
+
+def _chat_deltas(h: Handle):
+    with _cancel_on_interrupt([h]):
+        if h.request.reasoning:
+            rs = h.reasoning()
+            if rs is not None:
+                yield _reasoning_delta(rs)
+        for piece in h.text_stream():
+            yield {"content": piece}
+        h.result()
+        yield {"finish_reason": h.metrics()["finish_reason"]}
+
+
+async def _achat_deltas(h: Handle):
+    if h.request.reasoning:
+        rs = await aio.reasoning(h)
+        if rs is not None:
+            yield _reasoning_delta(rs)
+    async for piece in aio.text_stream(h):
+        yield {"content": piece}
+    yield {"finish_reason": h.metrics()["finish_reason"]}
 
 
 @contextlib.contextmanager

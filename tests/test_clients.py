@@ -500,7 +500,8 @@ def test_openai_wire_format(recorder):
 
 
 def test_openai_chat_completions(servers):
-    """chat.completions.create, plain and streamed, answers as the API's query."""
+    """chat.completions.create, plain and streamed, answers as the API's query with
+    reasoning (chat's default, as kestrel's)."""
     openai = pytest.importorskip("openai")
     md = servers.md
     with open(SQ, "rb") as f:
@@ -510,7 +511,7 @@ def test_openai_chat_completions(servers):
     messages = [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
         {"type": "image_url", "image_url": {"url": uri}}]}]
-    want = md.query(png, "What is this?", settings=S)["answer"]
+    want = md.query(png, "What is this?", reasoning=True, settings=S)["answer"]
     out = client.chat.completions.create(model="tiny", messages=messages,
                                          max_completion_tokens=10, temperature=0)
     assert out.object == "chat.completion" and out.model == "tiny"

@@ -135,9 +135,26 @@ def test_moondream_client_chat(live, client):
     msgs = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                          {"type": "image_url", "image_url": {"url": img_uri}}]}]
     want = live.md.query(uri_bytes(img_uri), "What is this?", settings=S)["answer"]
-    out = client.chat(msgs, settings=S)
+    out = client.chat(msgs, settings=S, reasoning=False)
     assert out["message"]["content"] == want and out["finish_reason"] in ("stop", "length")
-    assert "".join(client.chat(msgs, stream=True, settings=S)["message"]) == want
+    assert "".join(client.chat(msgs, stream=True, settings=S, reasoning=False)["message"]) \
+        == want
+    # Without `reasoning`, the model's default (on, as kestrel's chat): the answer follows
+    # the reasoning.
+    want = live.md.query(uri_bytes(img_uri), "What is this?", reasoning=True, settings=S)
+    out = client.chat(msgs, settings=S)
+    assert out["message"]["content"] == want["answer"]
+    assert out["message"]["reasoning"] == want["reasoning"]["text"]
+    # A conversation: a system prompt and a follow-up turn.
+    convo = [{"role": "system", "content": "Be brief."}] + msgs + [
+        {"role": "assistant", "content": out["message"]["content"]},
+        {"role": "user", "content": "And the colour?"}]
+    again = client.chat(convo, settings=S, reasoning=False)
+    assert again["message"]["content"] == live.md.chat(
+        [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                      {"type": "image", "image": uri_bytes(img_uri)}]},
+         *convo[2:]], reasoning=False, settings=S)["message"]["content"]
 
 
 # -- the same routes over plain HTTP (CI runs these without the client) --------------------
@@ -190,7 +207,7 @@ def test_chat_completions(live):
     md, uri = live.md, data_uri(SQ)
     want = md.query(uri_bytes(uri), "What is this?", settings=S, return_metrics=True)
     body = {"model": "anything", "max_completion_tokens": 10, "temperature": 0,
-            "messages": [{"role": "user", "content": [
+            "reasoning": False, "messages": [{"role": "user", "content": [
                 {"type": "text", "text": "What is this?"},
                 {"type": "image_url", "image_url": {"url": uri}}]}]}
     st, _, out = call(live, "/v1/chat/completions", body, key=None,
@@ -209,11 +226,12 @@ def test_chat_completions(live):
     msg = out["choices"][0]["message"]
     assert msg["content"] == want_r["answer"]
     assert msg["reasoning"] == want_r["reasoning"]["text"]
-    assert msg["reasoning_details"] == {"grounding": want_r["reasoning"]["grounding"]}
+    g = want_r["reasoning"]["grounding"]   # kestrel's message: details only with grounding
+    assert msg.get("reasoning_details") == ({"grounding": g} if g else None)
     # max_tokens (the older name) and a plain-string, text-only message.
     st, _, out = call(live, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Hello?"}], "max_tokens": 10,
-        "temperature": 0})
+        "temperature": 0, "reasoning": False})
     assert out["choices"][0]["message"]["content"] == \
         md.query(None, "Hello?", settings=S)["answer"]
     # Streaming: OpenAI chunks, then usage (asked for), then [DONE].
@@ -312,11 +330,28 @@ BAD = [
     ("segment on md2", "/v1/segment", {"image_url": "IMG", "object": "x"}, 400,
      "Moondream 3"),
     ("unknown route", "/v1/nothing", {}, 404, "Not Found"),
-    ("chat: two turns", "/v1/chat/completions",
+    ("chat: ends with the assistant", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
-     400, "single user turn"),
-    ("chat: system", "/v1/chat/completions",
-     {"messages": [{"role": "system", "content": "a"}]}, 400, "role"),
+     400, "last message must be from the user"),
+    ("chat: system only", "/v1/chat/completions",
+     {"messages": [{"role": "system", "content": "a"}]}, 400, "last message"),
+    ("chat: system later", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"},
+                   {"role": "user", "content": "c"}]}, 400, "system message must be the first"),
+    ("chat: image in a later turn", "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "IMG"}}]}]},
+     400, "first user message"),
+    ("chat: response_format unknown", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "q"}], "response_format": {"type": "xml"}},
+     400, "response_format type"),
+    ("chat: json_schema without schema", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "q"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "schema"),
+    ("chat: json on a word-level tokenizer", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "q"}],
+      "response_format": {"type": "json_object"}}, 400, "byte-level tokenizer"),
     ("chat: two images", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "q"}, {"type": "image_url", "image_url": {"url": "IMG"}},
         {"type": "image_url", "image_url": {"url": "IMG"}}]}]}, 400, "at most one image"),
@@ -329,7 +364,7 @@ BAD = [
     ("chat: max tokens over context", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "q"}], "max_tokens": 10 ** 6}, 400, "context"),
     ("chat: audio part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {}}]}]}, 400, "not supported"),
+        {"type": "input_audio", "input_audio": {}}]}]}, 400, "unsupported content part"),
 ]
 
 

@@ -49,7 +49,7 @@ import PIL.Image
 from ..model.loaded import Model
 from ..model.pixels import pil_pixels
 from ..model.tokenizer import region_inputs
-from . import constraints, frontend, hostsync, kvpool, memory, skills, step as step_mod
+from . import constraints, frontend, grammar, hostsync, kvpool, memory, skills, step as step_mod
 from .frontend import EncodedImage, ImagePrefix, PreparedImage
 from .inflight import PipelineState
 from .pages import pages_for
@@ -144,6 +144,9 @@ class Engine:
                                    step_mod.prefill_row_bucket(rows, max_batch_size)
                                    * step_mod.prompt_bucket(longest)))
         self.pipe = PipelineState()
+        # Output shapes: compiled against this model's tokenizer on first use, then cached.
+        self.grammars = grammar.Grammars(model.prompts.tok, cfg.text.vocab_size,
+                                         cfg.tokenizer.eos_id)
         self.steps_log: collections.deque[StepTiming] = collections.deque(maxlen=log_steps)
         self.counters = collections.Counter()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -258,11 +261,18 @@ class Engine:
             raise RequestError(
                 f"prompt of {len(req.prompt)} tokens (+{base} image positions) exceeds the "
                 f"context of {self.max_context} tokens; shorten the question")
+        shape = None
+        if req.settings.shape is not None and not encode:
+            if req.skill != "text":
+                raise RequestError(f"settings[{req.settings.shape[0]!r}] shapes a text answer "
+                                   f"(caption, query, chat); {req.skill} output has its own "
+                                   "format: drop the setting")
+            shape = self.grammars.matcher(*req.settings.shape)
         skill = None if encode else skills.for_request(
             req, cfg.tokenizer, prompt_end=p_end, max_context=self.max_context,
             decode=self.model.prompts.decode,
             on_text=functools.partial(self.sched.outbox.text, h),
-            on_reasoning=functools.partial(self.sched.outbox.reasoning, h))
+            on_reasoning=functools.partial(self.sched.outbox.reasoning, h), shape=shape)
         seq = Seq(h, base, p_end, skill)
         h.id = seq.id
         seq.need_pages = self.sched.budget_pages(seq, self.max_context)
@@ -615,15 +625,27 @@ class Engine:
                 temps[i], top_ps[i] = cfg.temperature, cfg.top_p
         samp[step_mod.S_TEMP] = temps.view(_I32)
         samp[step_mod.S_TOP_P] = top_ps.view(_I32)
+        # Output shapes: each shaped row's grammar mask for this token, computed now (the
+        # token before it committed just above) while this step's forward runs; rows
+        # without a shape allow everything.  Only a step with a shaped row uploads masks.
+        masks = [None if s.finalized else s.skill.mask(i) for s, i in zip(st.seqs, st.index)]
+        mask = None
+        if any(m is not None for m in masks):
+            mask = np.full((rb, (self.cfg.text.vocab_size + 31) // 32), -1, _I32)
+            for i, m in enumerate(masks):
+                if m is not None:
+                    mask[i] = m
         # The program variant, known here without asking the device: does any row draw at
-        # random, can any row's constraint yield a coordinate or size?
+        # random, can any row's constraint yield a coordinate or size, is any row shaped?
         sampler = self.programs.sampler(bool(np.any(temps > 0)), bool(np.isin(
             samp[step_mod.S_CONSTRAINT, :len(st.seqs)], constraints.REGION).any()))
         with hostsync.sync_free():
             samp_d = jax.device_put(samp, self.placement)
+            extra = () if mask is None else (jax.device_put(mask, self.placement),)
             dev = self.dev
             dev.slots[st.slot], dev.pending = sampler(
-                self.model.params, dev.slots[st.slot], dev.pending, dev.tables, samp_d)
+                self.model.params, dev.slots[st.slot], dev.pending, dev.tables, samp_d,
+                *extra)
             st.out = self.dev.slots[st.slot].out
         # Started outside the guard: on an accelerator jaxlib applies the device-to-host
         # guard inside copy_to_host_async itself (CPU buffers are zero-copy and exempt).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from dataclasses import dataclass
@@ -12,7 +13,8 @@ DEFAULT_MAX_TOKENS = 768
 DEFAULT_MAX_OBJECTS = 50
 DEFAULT_SEED = 0
 
-KNOWN = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "repeat_stop")
+SHAPES = ("json_schema", "regex", "choices")
+KNOWN = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "repeat_stop") + SHAPES
 
 
 class SettingsError(ValueError):
@@ -29,6 +31,9 @@ class Settings:
     # Off by default: end a text generation once its tail is one n-gram (n <= 16) repeated
     # this many times in a row (finish_reason "repeat"); for captions that loop.
     repeat_stop: int | None = None
+    # The answer held to a shape (engine/grammar.py): (kind, the spec as canonical JSON),
+    # kind one of SHAPES; None = free text.
+    shape: tuple | None = None
 
 
 def _int(name, v, lo):
@@ -79,4 +84,35 @@ def parse(settings: dict | None) -> Settings:
         out["repeat_stop"] = _int("repeat_stop", s["repeat_stop"], 2)
     if "seed" in s:
         out["seed"] = _int("seed", s["seed"], 0) % (2**31)
+    shape = _shape(s)
+    if shape is not None:
+        out["shape"] = shape
     return Settings(**out)
+
+
+def _shape(s: dict) -> tuple | None:
+    """The output shape among the settings (at most one), its spec checked for type; the
+    grammar itself is compiled when the request is submitted (engine/grammar.py)."""
+    given = [k for k in SHAPES if s.get(k) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise SettingsError(f"settings {given}: give at most one output shape (json_schema, "
+                            "regex or choices)")
+    kind = given[0]
+    v = s[kind]
+    if kind == "json_schema" and not isinstance(v, dict):
+        raise SettingsError("settings['json_schema'] must be a JSON schema object (a dict), "
+                            f"got {type(v).__name__}")
+    if kind == "regex" and (not isinstance(v, str) or not v):
+        raise SettingsError(f"settings['regex'] must be a non-empty string, got {v!r}")
+    if kind == "choices" and (not isinstance(v, (list, tuple)) or not v or not all(
+            isinstance(c, str) and c for c in v)):
+        raise SettingsError("settings['choices'] must be a non-empty list of non-empty "
+                            f"strings, got {v!r}")
+    try:
+        spec = json.dumps(list(v) if kind == "choices" else v, sort_keys=True,
+                          separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise SettingsError(f"settings[{kind!r}] is not plain JSON: {e}") from None
+    return kind, spec

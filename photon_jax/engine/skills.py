@@ -18,6 +18,11 @@ Semantics are the Moondream 2 reference's (normative, see `reference.py`):
   new chunks).  The answer id is fed, then the answer is generated as plain text.  At
   `max_tokens` reasoning tokens the answer id is forced (the per-row allowed-set path).
 
+- an answer held to a shape (settings json_schema / regex / choices): a text skill whose
+  every token is also masked by its grammar matcher (`grammar.Matcher`), which advances as
+  tokens commit; `mask(index)` hands the engine the next token's allow-bitmask.  With
+  reasoning, the shape applies to the answer.
+
 - segment (Moondream 3): free sampling; a sampled coord / size id carries the coordinate /
   (width, height) its hidden state decodes to and is fed back as that value.  The result is
   parsed by `parse_segment`: a box from the first coordinate pair and the first size, then
@@ -66,10 +71,11 @@ class TextSkill:
 
     def __init__(self, *, max_tokens: int, prompt_end: int, max_context: int, eos_id: int,
                  decode: Callable, on_text: Callable | None = None, ignore_eos: bool = False,
-                 repeat_stop: int | None = None):
+                 repeat_stop: int | None = None, shape=None):
         self.max_tokens, self.prompt_end, self.max_context = max_tokens, prompt_end, max_context
         self.eos_id, self.ignore_eos, self.repeat_stop = eos_id, ignore_eos, repeat_stop
         self.on_text = on_text
+        self.shape = shape   # a grammar.Matcher, or None
         self.streamer = TextStreamer(decode)
         self.ids: list[int] = []
         self.pieces: list[str] = []
@@ -85,6 +91,10 @@ class TextSkill:
     def allowed(self, index: int) -> list[int] | None:
         return None
 
+    def mask(self, index: int):
+        """The shape's allow-bitmask for token `index` (None: no shape)."""
+        return None if self.shape is None else self.shape.mask()
+
     def feedable(self, index: int) -> bool:
         """May token `index` be fed back to produce token index + 1 (unless it is EOS)?"""
         return index + 1 < self.max_tokens and self.prompt_end + index + 1 <= self.max_context
@@ -94,6 +104,8 @@ class TextSkill:
         self.count += 1
         if token == self.eos_id and not self.ignore_eos:
             return "stop"
+        if self.shape is not None:
+            self.shape.consume(token)
         self.ids.append(token)
         self._emit(self.streamer.push(token))
         if self.repeat_stop and repeats(self.ids, self.repeat_stop):
@@ -184,13 +196,13 @@ class ReasoningSkill:
     def __init__(self, *, max_tokens: int, prompt_end: int, max_context: int, eos_id: int,
                  answer_id: int, coord_id: int, chunk_ids: tuple, decode: Callable,
                  on_text: Callable | None = None, on_reasoning: Callable | None = None,
-                 ignore_eos: bool = False, repeat_stop: int | None = None):
+                 ignore_eos: bool = False, repeat_stop: int | None = None, shape=None):
         self.max_tokens, self.prompt_end, self.max_context = max_tokens, prompt_end, max_context
         self.answer_id, self.coord_id, self.chunk_ids = answer_id, coord_id, chunk_ids
         self.decode, self.on_reasoning = decode, on_reasoning
         self._answer_args = dict(max_tokens=max_tokens, max_context=max_context, eos_id=eos_id,
                                  decode=decode, on_text=on_text, ignore_eos=ignore_eos,
-                                 repeat_stop=repeat_stop)
+                                 repeat_stop=repeat_stop, shape=shape)
         self.chunks: list[list[int]] = [[]]
         self.coords: list[list[float]] = [[]]
         self.answer: TextSkill | None = None
@@ -211,6 +223,11 @@ class ReasoningSkill:
     def allowed(self, index: int) -> list[int] | None:
         if self.answer is None and index >= self.max_tokens:
             return [self.answer_id]   # the reasoning budget is spent: the answer id comes next
+        return None
+
+    def mask(self, index: int):
+        if self.answer is not None:
+            return self.answer.mask(index - self.start)
         return None
 
     def feedable(self, index: int) -> bool:
@@ -272,6 +289,9 @@ class PointsSkill:
     def allowed(self, index: int) -> list[int] | None:
         return None
 
+    def mask(self, index: int):
+        return None
+
     def _may_start_object(self, index: int) -> bool:
         return (index // self.per_object < self.max_objects
                 and self.prompt_end + index + self.per_object <= self.max_context)
@@ -303,9 +323,11 @@ class PointsSkill:
 
 
 def for_request(req, tok, *, prompt_end: int, max_context: int, decode: Callable,
-                on_text: Callable | None = None, on_reasoning: Callable | None = None):
+                on_text: Callable | None = None, on_reasoning: Callable | None = None,
+                shape=None):
     """The skill state machine of one request (a `request.Request`; tok: its model's
-    `TokenizerConfig`): text (caption / query), reasoning query, segment, detect or point."""
+    `TokenizerConfig`): text (caption / query), reasoning query, segment, detect or point.
+    `shape`: the request's `grammar.Matcher` (text skills only)."""
     common = dict(prompt_end=prompt_end, max_context=max_context, eos_id=tok.eos_id,
                   ignore_eos=req.ignore_eos)
     text = dict(max_tokens=req.settings.max_tokens, decode=decode, on_text=on_text,
@@ -313,9 +335,9 @@ def for_request(req, tok, *, prompt_end: int, max_context: int, decode: Callable
     if req.skill == "text" and req.reasoning:
         return ReasoningSkill(answer_id=tok.answer_id, coord_id=tok.coord_id,
                               chunk_ids=(tok.start_ground_points_id, tok.end_ground_id),
-                              on_reasoning=on_reasoning, **text)
+                              on_reasoning=on_reasoning, shape=shape, **text)
     if req.skill == "text":
-        return TextSkill(**text)
+        return TextSkill(shape=shape, **text)
     if req.skill == "segment":
         return SegmentSkill(coord_id=tok.coord_id, size_id=tok.size_id,
                             **{**text, "on_text": None})

@@ -242,14 +242,16 @@ def _prefill_slot(params, pool: KVPool, slot: Slot, kinds_RT, ids_RT, values_RT2
     return pool, _into_slot(slot, last, text.logits(params["text"], last, tp=tp))
 
 
-def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, samp_FR, *, cfg,
-                 stochastic: bool = True, region: bool = True, candidates: int = 256):
+def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, samp_FR, mask_RW=None,
+                 *, cfg, stochastic: bool = True, region: bool = True, candidates: int = 256):
     """Sample R rows of a forwarded step under their constraints; decode region values; write
     the host-bound results into the slot and the next inputs into the pending buffers.
 
     Static variants, picked on the host (no device-side branch): `stochastic` (some row has
-    temperature > 0: top-p draws; else argmax only) and `region` (some row's constraint lets
-    it emit a coordinate or size: run the region heads; else none is needed)."""
+    temperature > 0: top-p draws; else argmax only), `region` (some row's constraint lets
+    it emit a coordinate or size: run the region heads; else none is needed) and whether
+    `mask_RW` is given (int32 [R, ceil(V / 32)]: some row's answer is held to a shape; bit
+    i of word w allows id 32 w + i, and an unshaped row's words are all ones)."""
     r = samp_FR.shape[1]
     tok_cfg = cfg.tokenizer
     rows = samp_FR[S_ROW]
@@ -261,6 +263,9 @@ def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, samp_FR, 
     ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
     allowed = jnp.any(ids[None, None, :] == allow_RA[:, :, None], axis=1)
     ban = ban | (restricted[:, None] & ~allowed)
+    if mask_RW is not None:
+        bits = (mask_RW[:, ids >> 5] >> (ids & 31)) & 1
+        ban = ban | (bits == 0)
     logits = jnp.where(ban, -jnp.inf, logits)
     if stochastic:
         temp = jax.lax.bitcast_convert_type(samp_FR[S_TEMP], F32)
@@ -379,6 +384,9 @@ class EnginePrograms:
     tp: object = None        # the mesh layout the engine's programs were built for
 
     def sampler(self, stochastic: bool, region: bool) -> Callable:
+        """The sampling program of a step.  Called with the shapes' bitmask as one more
+        argument, the same jitted function traces a masked twin on first use (warm-up does
+        not compile those: most engines never see a shaped request)."""
         return self.sample_step[(stochastic, region)]
 
     def decode_splits(self, lengths, page_size: int, sms: int | None = None) -> int:

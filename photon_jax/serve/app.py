@@ -467,14 +467,22 @@ class Server:
         try:
             c = parse_chat(body, md.engine.max_context)
             cap = self.config.limits.max_text_chars
-            if len(c["question"]) > cap:
-                raise bad(f"chat/completions: the message text has {len(c['question'])} "
+            if c["text_chars"] > cap:
+                raise bad(f"chat/completions: the messages' text has {c['text_chars']} "
                           f"characters, more than the {cap}-character limit "
-                          "(--max-text-chars); send a shorter text", "messages")
-            image = None if c["image"] is None else \
-                await self._image(md, c["image"], "messages", held)
-            call = self._submit(lambda: md._query(image, c["question"], c["reasoning"], None,
-                                                  c["stream"], c["settings"], False), held)
+                          "(--max-text-chars); send a shorter conversation", "messages")
+            messages = c["messages"]
+            for n, k, url in c["images"]:
+                # The decoded image replaces its URL part (copies: the body stays as sent).
+                image = await self._image(md, url, "messages", held)
+                messages = list(messages)
+                msg = dict(messages[n])
+                parts = list(msg["content"])
+                parts[k] = {"type": "image", "image": image}
+                msg["content"] = parts
+                messages[n] = msg
+            call = self._submit(lambda: md._chat(messages, c["reasoning"], c["stream"],
+                                                 c["settings"], False), held)
         except BaseException:
             for r in held:
                 r.release()
@@ -487,13 +495,8 @@ class Server:
             return self._sse(request, call, self._chat_events(call, base, c["include_usage"]),
                              "chat")
         await self._finish(request, call)
-        out = self._shape(call)
-        h = call.handles[0]
-        m = h.metrics()
-        message = {"role": "assistant", "content": out["answer"]}
-        if c["reasoning"] and out.get("reasoning"):
-            message["reasoning"] = out["reasoning"]["text"]
-            message["reasoning_details"] = {"grounding": out["reasoning"]["grounding"]}
+        message = self._shape(call)["message"]
+        m = call.handles[0].metrics()
         return JSONResponse({**base, "object": "chat.completion",
                              "choices": [{"index": 0, "message": message,
                                           "finish_reason": openai_finish(m["finish_reason"])}],
@@ -510,8 +513,10 @@ class Server:
         async for ev in self._text_events(call):
             if "reasoning" in ev:
                 r = ev["reasoning"] or {}
-                yield delta({"reasoning": r.get("text", ""),
-                             "reasoning_details": {"grounding": r.get("grounding", [])}})
+                d = {"reasoning": r.get("text", "")}
+                if r.get("grounding"):
+                    d["reasoning_details"] = {"grounding": r["grounding"]}
+                yield delta(d)
             elif not ev["completed"]:
                 yield delta({"content": ev["chunk"]})
         m = h.metrics()

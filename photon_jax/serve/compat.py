@@ -27,6 +27,7 @@ SETTINGS_ALIASES = {
     "maxObjects": "max_objects",
     "topP": "top_p",
     "repeatStop": "repeat_stop",
+    "jsonSchema": "json_schema",
 }
 
 

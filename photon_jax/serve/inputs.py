@@ -96,23 +96,41 @@ _CHAT_UNSUPPORTED = {
 }
 
 
+def _response_format(rf) -> dict:
+    """OpenAI's response_format -> the settings that hold the answer to it."""
+    if rf is None:
+        return {}
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise bad("chat/completions: response_format json_schema needs "
+                       "{\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                       "response_format")
+        return {"json_schema": schema}
+    raise bad("chat/completions: response_format type must be \"text\", \"json_object\" or "
+               f"\"json_schema\", got {_short(kind)}", "response_format")
+
+
 def parse_chat(body: dict, max_context: int) -> dict:
-    """An OpenAI chat request -> {"question", "image" (bytes / URL / None), "settings",
-    "stream", "include_usage", "reasoning"} for `query`; anything a single question about
-    at most one image cannot express is a 400 that says so."""
+    """An OpenAI chat request -> {"messages" (as sent), "images" [(message index, part
+    index, URL)], "text_chars", "settings", "stream", "include_usage", "reasoning" (None:
+    the model's default)}.  The conversation's own rules (roles, order, where images may
+    be) are the API's (`Moondream.chat`); this checks the body's shape, the fields OpenAI
+    has and Moondream has not, and the one-image limit before any image is decoded."""
     for k, what in _CHAT_UNSUPPORTED.items():
         if body.get(k) not in (None, False, [], {}):
-            raise bad(f"chat/completions: {what} ({k!r}) is not supported: the model answers "
-                       "one question about at most one image", k)
+            raise bad(f"chat/completions: {what} ({k!r}) is not supported by this server", k)
     for k in ("presence_penalty", "frequency_penalty"):
         if body.get(k) not in (None, 0, 0.0):
             raise bad(f"chat/completions: {k!r} is not supported (leave it 0 or unset)", k)
     if body.get("n") not in (None, 1):
         raise bad("chat/completions: n must be 1 (one answer per request)", "n")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("chat/completions: only response_format {\"type\": \"text\"} is supported",
-                   "response_format")
     if body.get("modalities") not in (None, ["text"]):
         raise bad("chat/completions: only text output (modalities [\"text\"]) is supported",
                    "modalities")
@@ -120,45 +138,31 @@ def parse_chat(body: dict, max_context: int) -> dict:
     if not isinstance(msgs, list) or not msgs:
         raise bad("chat/completions: 'messages' must be a non-empty list of {role, content}",
                    "messages")
-    if len(msgs) != 1:
-        raise bad(f"chat/completions: {len(msgs)} messages given; only a single user turn is "
-                   "supported (no system prompt, no history): send one user message with the "
-                   "question and at most one image", "messages")
-    msg = msgs[0]
-    if not isinstance(msg, dict) or msg.get("role") != "user":
-        raise bad("chat/completions: the one message must have role \"user\", got "
-                   f"{_short(msg.get('role') if isinstance(msg, dict) else msg)}", "messages")
-    content = msg.get("content")
-    texts, images = [], []
-    if isinstance(content, str):
-        texts.append(content)
-    elif isinstance(content, list):
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-            elif kind == "image_url":
+    images, chars = [], 0
+    for n, msg in enumerate(msgs):
+        if not isinstance(msg, dict):
+            raise bad(f"chat/completions: messages[{n}] must be an object with 'role' and "
+                       f"'content', got {_short(msg)}", "messages")
+        content = msg.get("content")
+        parts = content if isinstance(content, list) else [content]
+        for k, part in enumerate(parts):
+            if isinstance(part, str):
+                chars += len(part)
+            elif isinstance(part, dict) and part.get("type") == "text" and \
+                    isinstance(part.get("text"), str):
+                chars += len(part["text"])
+            elif isinstance(part, dict) and part.get("type") == "image_url":
                 iu = part.get("image_url")
                 url = iu.get("url") if isinstance(iu, dict) else iu
                 if not isinstance(url, str):
-                    raise bad("chat/completions: an image_url part needs "
-                               "{\"image_url\": {\"url\": \"data:image/...;base64,...\"}}",
+                    raise bad(f"chat/completions: messages[{n}].content[{k}]: an image_url "
+                               "part needs {\"image_url\": {\"url\": \"data:image/...;base64,...\"}}",
                                "messages")
-                images.append(url)
-            else:
-                raise bad(f"chat/completions: content part {_short(part)} is not supported; "
-                           "use {\"type\": \"text\"} and {\"type\": \"image_url\"} parts",
-                           "messages")
-    else:
-        raise bad("chat/completions: message content must be a string or a list of parts",
-                   "messages")
+                images.append((n, k, url))
     if len(images) > 1:
-        raise bad(f"chat/completions: {len(images)} images given; at most one image per "
-                   "request is supported", "messages")
-    question = "\n".join(t for t in texts if t.strip())
-    if not question.strip():
-        raise bad("chat/completions: the user message has no text; ask a question", "messages")
-    settings = {}
+        raise bad(f"chat/completions: {len(images)} images given; this server takes at most "
+                   "one image per conversation, in the first user message", "messages")
+    settings = _response_format(body.get("response_format"))
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     for src, key in ((mt, "max_tokens"), (body.get("temperature"), "temperature"),
                      (body.get("top_p"), "top_p"), (body.get("seed"), "seed")):
@@ -171,10 +175,10 @@ def parse_chat(body: dict, max_context: int) -> dict:
     so = body.get("stream_options") or {}
     if not isinstance(so, dict):
         raise bad("chat/completions: 'stream_options' must be an object", "stream_options")
-    reasoning = body.get("reasoning", False)
-    if not isinstance(reasoning, bool):
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, bool):
         raise bad("chat/completions: 'reasoning' must be true or false", "reasoning")
-    return {"question": question, "image": images[0] if images else None,
+    return {"messages": msgs, "images": images, "text_chars": chars,
             "settings": settings or None, "stream": stream, "reasoning": reasoning,
             "include_usage": bool(so.get("include_usage"))}
 

@@ -1,0 +1,154 @@
+"""Chat: conversations rendered token for token as kestrel 0.9.2 renders them (golden prompts
+made by kestrel's own code, tests/kestrel_chat_golden.py), its refusals, and `Moondream.chat`
+on the engine against the one-request reference path."""
+
+import asyncio
+import base64
+import json
+import os
+
+import pytest
+
+from photon_jax import Moondream
+from photon_jax.api import ChatError, RequestError
+from photon_jax.engine import reference
+from photon_jax.engine.settings import Settings
+from photon_jax.model.chat import parse_messages, render
+from tokenizers import Tokenizer
+
+from helpers import HERE, LAND, SQ
+
+CHAT_DIR = os.path.join(HERE, "fixtures", "chat")
+with open(os.path.join(CHAT_DIR, "kestrel_chat.json")) as f:
+    GOLDEN = json.load(f)
+BYTE_TOK = Tokenizer.from_file(os.path.join(CHAT_DIR, "tokenizer.json"))
+QUERY_PREFIX = (1, 15381, 2)
+G = {"temperature": 0, "max_tokens": 6}
+
+
+def _marker(part, where):
+    return "IMG"
+
+
+def _ours(msgs, family, reasoning):
+    c = render(parse_messages(msgs, _marker), family=family, query_prefix=QUERY_PREFIX,
+               encode=lambda s: BYTE_TOK.encode(s).ids, reasoning=reasoning)
+    seq = list(c.ids)
+    for at in reversed(c.image_at):
+        seq.insert(at, "image")
+    return [0] + seq
+
+
+@pytest.mark.parametrize("family", ["moondream2", "moondream3"])
+def test_rendering_matches_kestrel(family):
+    fam = GOLDEN["families"][family]
+    assert fam["default_reasoning"] is True
+    for key, want in fam["prompts"].items():
+        name, mode = key.split("/")
+        assert _ours(GOLDEN["cases"][name], family, mode == "reasoning") == want, key
+
+
+def test_refusals_match_kestrel():
+    for family in ("moondream2", "moondream3"):
+        for name, err in GOLDEN["families"][family]["errors"].items():
+            assert err is not None, name   # kestrel refuses every one of these
+            with pytest.raises(ChatError):
+                parse_messages(GOLDEN["error_cases"][name], _marker)
+    with pytest.raises(ChatError, match=r"messages\[0\]\.content\[0\]: an image_url must be"):
+        Moondream._chat.__globals__["_chat_image"](
+            {"type": "image_url", "image_url": {"url": "/etc/passwd"}}, "messages[0].content[0]")
+
+
+@pytest.fixture(scope="module")
+def md(tiny_ckpt):
+    with Moondream.load(tiny_ckpt, max_batch_size=4) as m:
+        yield m
+
+
+def test_one_turn_moondream2_chat_is_the_query_prompt(md):
+    m = md._m
+    for reasoning in (False, True):
+        turns = parse_messages([{"role": "user", "content": [
+            {"type": "image", "image": LAND}, {"type": "text", "text": "w5 w6"}]}], lambda p, w: p)
+        c = render(turns, family="moondream2", query_prefix=m.cfg.tokenizer.query_prefix,
+                   encode=m.prompts.encode, reasoning=reasoning)
+        assert c.ids == m.prompts.query("w5 w6", reasoning=reasoning) and c.image_at == (0,)
+    one = [{"role": "user", "content": [{"type": "image", "image": LAND},
+                                        {"type": "text", "text": "w5 w6"}]}]
+    assert md.chat(one, reasoning=False, settings=G)["message"]["content"] == \
+        md.query(LAND, "w5 w6", settings=G)["answer"]
+    out = md.chat(one, settings=G)   # reasoning on by default, as kestrel's chat
+    q = md.query(LAND, "w5 w6", reasoning=True, settings=G)
+    assert out["message"]["content"] == q["answer"]
+    assert out["message"]["reasoning"] == q["reasoning"]["text"]
+    assert set(out) == {"message", "finish_reason"}
+    text_only = [{"role": "user", "content": "w100 w200"}]
+    assert md.chat(text_only, reasoning=False, settings=G)["message"]["content"] == \
+        md.query(None, "w100 w200", settings=G)["answer"]
+
+
+def test_conversation_matches_the_reference_and_reuses_the_image(md):
+    m = md._m
+    png = open(SQ, "rb").read()
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    convo = [{"role": "system", "content": "w40 w41"},
+             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                          {"type": "text", "text": "w5 w6"}]},
+             {"role": "assistant", "content": "w7 w8 w9"},
+             {"role": "user", "content": [{"type": "text", "text": "w10"},
+                                          {"type": "text", "text": " w11"}]}]
+    s = {"temperature": 0.7, "top_p": 0.9, "seed": 5, "max_tokens": 8}
+    out = md.chat(convo, reasoning=False, settings=s, return_metrics=True)
+    c = render(parse_messages(convo, lambda p, w: p), family="moondream2",
+               query_prefix=m.cfg.tokenizer.query_prefix, encode=m.prompts.encode,
+               reasoning=False)
+    # The system text is folded into the first user turn, text parts joined with "".
+    assert m.prompts.encode("w40 w41\n\nw5 w6") == c.ids[3:3 + len(m.prompts.encode(
+        "w40 w41\n\nw5 w6"))]
+    want = reference.generate_text(m, reference.encode_image(m, png), c.ids,
+                                   Settings(temperature=0.7, top_p=0.9, seed=5, max_tokens=8))
+    assert out["message"]["content"] == want["text"]
+    assert out["finish_reason"] == want["finish_reason"]
+    assert out["metrics"]["input_tokens"] == m.cfg.prefix_len + len(c.ids)
+    # The follow-up turn: the image prefix comes from the cache.
+    follow = convo + [{"role": "assistant", "content": out["message"]["content"]},
+                      {"role": "user", "content": "w12"}]
+    again = md.chat(follow, reasoning=False, settings=s, return_metrics=True)
+    assert again["metrics"]["prefix_cache_hit"] is True
+
+
+def test_refused_conversations_name_the_fix(md):
+    img = {"type": "image", "image": LAND}
+    with pytest.raises(ChatError, match="at most one image"):
+        md.chat([{"role": "user", "content": [img, img, {"type": "text", "text": "w5"}]}])
+    with pytest.raises(ChatError, match="first user message"):
+        md.chat([{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"},
+                 {"role": "user", "content": [img, {"type": "text", "text": "w7"}]}])
+    with pytest.raises(ChatError, match="last message must be from the user"):
+        md.chat([{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"}])
+    with pytest.raises(ValueError, match="reasoning must be"):
+        md.chat([{"role": "user", "content": "w5"}], reasoning="yes")
+    long = [{"role": "user", "content": " ".join(["w50"] * md.engine.max_context)}]
+    with pytest.raises(RequestError, match="exceeds the context"):
+        md.chat(long, reasoning=False)
+    # ...and the engine still answers.
+    assert md.chat([{"role": "user", "content": "w5"}], reasoning=False, settings=G)
+
+
+def test_stream_deltas_and_async(md):
+    convo = [{"role": "user", "content": [{"type": "image", "image": LAND},
+                                          {"type": "text", "text": "w9"}]}]
+    whole = md.chat(convo, settings=G)
+    deltas = list(md.chat(convo, stream=True, settings=G))
+    assert "reasoning" in deltas[0]
+    assert deltas[0]["reasoning"] == whole["message"]["reasoning"]
+    assert "".join(d.get("content", "") for d in deltas[1:-1]) == whole["message"]["content"]
+    assert deltas[-1] == {"finish_reason": whole["finish_reason"]}
+
+    async def run():
+        out = await md.achat(convo, settings=G)
+        pieces = [d async for d in await md.achat(convo, stream=True, settings=G)]
+        return out, pieces
+
+    out, pieces = asyncio.run(run())
+    assert out == whole and pieces == deltas
