@@ -1,39 +1,81 @@
-import sys, types, json
-from unittest import mock
-sys.path.insert(0, '/tmp/kestrel_src')
-class Meta(type):
+"""Makes tests/fixtures/chat/kestrel_chat.json: the prompts kestrel 0.9.2's own chat skill
+(`MoondreamChatSkill`, Moondream's engine) renders for a set of conversations, per model
+family and with reasoning off and on, and the messages it refuses.  tests/test_chat.py
+renders the same conversations with photon_jax and compares them token for token.
+
+kestrel is a CUDA engine; its chat rendering is plain Python, but importing it pulls torch and
+its native kernels.  Those imports are stubbed here with inert placeholders (never called by
+the rendering path), so the owner's code runs unchanged on a CPU without torch.
+
+    pip download kestrel==0.9.2 --no-deps && unzip kestrel-0.9.2-*.whl -d KESTREL_DIR
+    python tests/kestrel_chat_golden.py KESTREL_DIR tests/fixtures/chat/tokenizer.json \
+        tests/fixtures/chat/kestrel_chat.json
+"""
+
+import importlib.abc
+import importlib.machinery
+import json
+import sys
+import types
+
+sys.path.insert(0, sys.argv[1])
+
+
+class _Meta(type):
+    """A placeholder class: any attribute, call, subscript or union is a placeholder again,
+    and a decorator call hands the decorated function back."""
+
     def __getattr__(cls, name):
-        if name.startswith('__'): raise AttributeError(name)
-        return Dummy
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Dummy
+
     def __call__(cls, *a, **k):
-        if len(a) == 1 and callable(a[0]) and not k: return a[0]
-        return Dummy
-    def __getitem__(cls, k): return Dummy
-    def __or__(cls, o): return Dummy
-    def __ror__(cls, o): return Dummy
-class Dummy(metaclass=Meta): pass
-class Stub(types.ModuleType):
+        if len(a) == 1 and callable(a[0]) and not k:
+            return a[0]
+        return _Dummy
+
+    def __getitem__(cls, k):
+        return _Dummy
+
+    def __or__(cls, o):
+        return _Dummy
+
+    def __ror__(cls, o):
+        return _Dummy
+
+
+class _Dummy(metaclass=_Meta):
+    pass
+
+
+class _Stub(types.ModuleType):
     def __getattr__(self, name):
-        if name.startswith('__'): raise AttributeError(name)
-        return Dummy
-class Finder:
-    def find_module(self, name, path=None):
-        root = name.split('.')[0]
-        return self if root in ('torch','triton','safetensors','tokenizers_x','pyvips','flashinfer','einops','kestrel_kernels','cuda','huggingface_hub','httpx') else None
-    def load_module(self, name):
-        m = Stub(name); m.__path__ = []; sys.modules[name] = m; return m
-import importlib.abc, importlib.machinery
-class F(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    ROOTS=('torch','kestrel_native','httpx','pyvips','huggingface_hub','safetensors','aiohttp','requests','kornia','cv2','scipy','triton','pyvips','flashinfer','einops','kestrel_kernels','cuda')
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Dummy
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    ROOTS = ("torch", "kestrel_native", "httpx", "pyvips", "huggingface_hub", "safetensors",
+             "aiohttp", "requests", "kornia", "cv2", "scipy", "triton", "flashinfer",
+             "einops", "kestrel_kernels", "cuda")
+
     def find_spec(self, name, path, target=None):
-        if name.split('.')[0] in self.ROOTS:
+        if name.split(".")[0] in self.ROOTS:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
     def create_module(self, spec):
-        m = Stub(spec.name); m.__path__ = []; return m
-    def exec_module(self, m): pass
-sys.meta_path.insert(0, F())
-from kestrel.models.moondream.skills.chat import MoondreamChatSkill
-print("imported")
+        m = _Stub(spec.name)
+        m.__path__ = []
+        return m
+
+    def exec_module(self, m):
+        pass
+
+
+sys.meta_path.insert(0, _StubFinder())
+
 import base64
 from copy import deepcopy
 from kestrel.models.moondream.config import (MoondreamConfig, DEFAULT_MOONDREAM2_CONFIG,
@@ -43,7 +85,7 @@ from kestrel.skills import chat as chat_mod
 from tokenizers import Tokenizer
 
 chat_mod.load_image_bytes_from_base64 = lambda v: base64.b64decode(v.split(",", 1)[1])
-TOK = sys.argv[1]
+TOK = sys.argv[2]
 tok = Tokenizer.from_file(TOK)
 IMG = "data:image/png;base64," + base64.b64encode(b"img").decode()
 def img(): return {"type": "image_url", "image_url": {"url": IMG}}
@@ -99,5 +141,5 @@ for fam, d in (("moondream2", DEFAULT_MOONDREAM2_CONFIG), ("moondream3", DEFAULT
     b = sk.build_request(None, {"messages": CASES["one_turn_text"]}, None)
     out["families"][fam]["default_reasoning"] = b.request_context.reasoning
 out["cases"] = CASES; out["error_cases"] = ERRORS
-json.dump(out, open(sys.argv[2], "w"), indent=1)
-print("wrote", sys.argv[2])
+json.dump(out, open(sys.argv[3], "w"), indent=1)
+print("wrote", sys.argv[3])
