@@ -430,7 +430,11 @@ class Moondream:
             return _achat_deltas(call.handles[0])
         return await call.wait_async()
 
-    def _chat(self, messages, reasoning, stream, settings, return_metrics) -> "_Call":
+    def _chat(self, messages, reasoning, stream, settings, return_metrics,
+              n: int = 1) -> "_Call":
+        """`chat`'s requests.  `n` > 1 (the server's OpenAI `n`): that many answers of one
+        conversation, answer i sampled with seed + i, as one batch (they share the image
+        prefix through the cache); not streamed."""
         m = self._m
         if reasoning is None:
             reasoning = True
@@ -451,9 +455,14 @@ class Moondream:
         image = c.images[0] if c.images else None
         prompt = c.ids if image is not None else [m.cfg.tokenizer.bos_id] + c.ids
         req = Request("text", prompt, image, s, reasoning=reasoning)
-        return self._submit(image, _Shared(None), stream, lambda img, _: req,
-                            lambda r: _chat_result(r, reasoning), optional_image=True,
-                            return_metrics=return_metrics)
+        shape = lambda r: _chat_result(r, reasoning)  # noqa: E731
+        if n == 1:
+            return self._submit(image, _Shared(None), stream, lambda img, _: req, shape,
+                                optional_image=True, return_metrics=return_metrics)
+        seeded = lambda img, i: dataclasses.replace(  # noqa: E731
+            req, settings=dataclasses.replace(s, seed=(s.seed + i) % 2**31))
+        return self._submit([image] * n, list(range(n)), False, seeded, shape,
+                            optional_image=True, return_metrics=return_metrics)
 
     # -- plumbing -----------------------------------------------------------------------
 

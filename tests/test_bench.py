@@ -184,6 +184,13 @@ def test_prefix_bench_smoke():
     assert off["same_answers"] is True
 
 
+def test_shapes_bench_smoke():
+    (row,) = run("shapes.py", "--config", "tiny", "--batch", "4", "--constrained", "0", "2",
+                 "--steps", "8", "--reps", "1")
+    assert row["kind"] == "shapes" and set(row["step_ms"]) == {"0", "2"}
+    assert row["mask_bytes"]["2"] == 4 * 4 * 1024 and row["mask_us"] > 0
+
+
 def test_kv_bench_smoke():
     rows = run("kv.py", "--config", "tiny", "--batch", "2", "--pages", "64", "--reps", "1",
                "--position", "100")

@@ -152,3 +152,50 @@ def test_stream_deltas_and_async(md):
 
     out, pieces = asyncio.run(run())
     assert out == whole and pieces == deltas
+
+
+def _text_skill(stop, on_text=None):
+    from photon_jax.engine.skills import TextSkill
+
+    words = {i: w for i, w in enumerate(["<eos>", "Hello", " wor", "ld", ".", " Bye", "\n",
+                                         " STOP", "!"])}
+    return TextSkill(max_tokens=50, prompt_end=10, max_context=100, eos_id=0,
+                     decode=lambda ids: "".join(words[i] for i in ids), on_text=on_text,
+                     stop=stop)
+
+
+def test_stop_strings_cut_the_answer_and_never_reach_the_stream():
+    for stop, ids, want, reason in (
+            (("world",), [1, 2, 3], "Hello ", "stop"),            # across tokens
+            (("d.",), [1, 2, 3, 4], "Hello worl", "stop"),
+            (("Hello",), [1], "", "stop"),                        # at the first token
+            (("xyz", " STOP"), [1, 6, 7], "Hello\n", "stop"),     # after a newline
+            (("nowhere",), [1, 2, 3, 0], "Hello world", None)):   # never: EOS ends it
+        pieces = []
+        sk = _text_skill(stop, pieces.append)
+        reasons = [sk.consume(t, None) for t in ids]
+        end = next((r for r in reasons if r), None)
+        assert end == (reason or "stop"), (stop, reasons)
+        assert reasons.index(end) == len(ids) - 1   # it ended at the token that completed it
+        out = sk.result(end)
+        assert out["text"] == want and "".join(pieces) == want, (stop, out, pieces)
+    from photon_jax.engine.settings import SettingsError, parse
+    assert parse({"stop": "x"}).stop == ("x",) and parse({"stop": ["a", "b"]}).stop == ("a", "b")
+    for bad in ("", [], ["a"] * 5, [1]):
+        with pytest.raises(SettingsError, match="stop"):
+            parse({"stop": bad})
+
+
+def test_stop_on_the_engine(md):
+    convo = [{"role": "user", "content": [{"type": "image", "image": LAND},
+                                          {"type": "text", "text": "w9"}]}]
+    s = {"temperature": 0, "max_tokens": 12}
+    full = md.chat(convo, reasoning=False, settings=s)["message"]["content"]
+    words = full.split(" ")
+    assert len(words) >= 4, full
+    cut = md.chat(convo, reasoning=False, settings={**s, "stop": [" " + words[2]]})
+    assert cut["message"]["content"] == " ".join(words[:2])
+    assert cut["finish_reason"] == "stop"
+    streamed = list(md.chat(convo, reasoning=False, stream=True,
+                            settings={**s, "stop": " " + words[2]}))
+    assert "".join(d.get("content", "") for d in streamed) == " ".join(words[:2])

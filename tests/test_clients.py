@@ -524,6 +524,20 @@ def test_openai_chat_completions(servers):
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert chunks[-1].usage.completion_tokens >= 1
+    # A conversation as SDK users send it: a system prompt, a follow-up, JSON mode refused
+    # by name on this word-level test tokenizer, and reasoning off through extra_body.
+    convo = [{"role": "system", "content": "Be brief."}, *messages,
+             {"role": "assistant", "content": want}, {"role": "user", "content": "Why?"}]
+    out = client.chat.completions.create(model="tiny", messages=convo, temperature=0,
+                                         max_completion_tokens=10,
+                                         extra_body={"reasoning": False})
+    assert out.choices[0].message.content == md.chat(
+        [convo[0], {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                {"type": "image", "image": png}]}, *convo[2:]],
+        reasoning=False, settings=S)["message"]["content"]
+    with pytest.raises(openai.BadRequestError, match="byte-level tokenizer"):
+        client.chat.completions.create(model="tiny", messages=convo,
+                                       response_format={"type": "json_object"})
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=servers.keyed.url + "/v1", api_key="wrong",
                       max_retries=0).chat.completions.create(model="tiny", messages=messages)

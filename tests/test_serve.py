@@ -234,6 +234,18 @@ def test_chat_completions(live):
         "temperature": 0, "reasoning": False})
     assert out["choices"][0]["message"]["content"] == \
         md.query(None, "Hello?", settings=S)["answer"]
+    # n answers (seeds seed + i), and a stop string.
+    st, _, out = call(live, "/v1/chat/completions", {**body, "n": 3, "temperature": 1.0,
+                                                     "seed": 7})
+    assert st == 200 and [c["index"] for c in out["choices"]] == [0, 1, 2]
+    for i, ch in enumerate(out["choices"]):
+        assert ch["message"]["content"] == md.query(
+            uri_bytes(uri), "What is this?",
+            settings={**S, "temperature": 1.0, "seed": 7 + i})["answer"]
+    full = want["answer"].split(" ")
+    st, _, out = call(live, "/v1/chat/completions", {**body, "stop": [" " + full[1]]})
+    assert out["choices"][0]["message"]["content"] == full[0]
+    assert out["choices"][0]["finish_reason"] == "stop"
     # Streaming: OpenAI chunks, then usage (asked for), then [DONE].
     st, _, text = call(live, "/v1/chat/completions",
                        {**body, "stream": True, "stream_options": {"include_usage": True}})
@@ -359,8 +371,13 @@ BAD = [
      {"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function"}]}, 400,
      "tools"),
     ("chat: no messages", "/v1/chat/completions", {"model": "x"}, 400, "messages"),
-    ("chat: n=2", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "q"}], "n": 2}, 400, "n must be 1"),
+    ("chat: n=9", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "q"}], "n": 9}, 400, "n must be an integer"),
+    ("chat: n=2 streamed", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "q"}], "n": 2, "stream": True}, 400,
+     "does not stream"),
+    ("chat: five stops", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "q"}], "stop": ["a"] * 5}, 400, "stop"),
     ("chat: max tokens over context", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "q"}], "max_tokens": 10 ** 6}, 400, "context"),
     ("chat: audio part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [

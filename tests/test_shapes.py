@@ -9,6 +9,7 @@ import json
 import os
 import re
 
+import jsonschema
 import pytest
 from tokenizers import Tokenizer
 
@@ -97,6 +98,50 @@ def test_many_samples_all_valid(model, engines):
                                                      max_tokens=40))
          for i, r in enumerate(reqs)])]
     assert not any(_parses(o["text"]) for o in free)
+
+
+# Nesting, enums, arrays (of enums and of objects), anyOf with null, a top-level enum; every
+# number bounded, so a random model's answers close within the budget.
+SCHEMAS = [
+    SCHEMA,
+    {"type": "object", "additionalProperties": False, "required": ["box", "label"],
+     "properties": {"box": {"type": "object", "additionalProperties": False,
+                            "required": ["x", "y"],
+                            "properties": {"x": {"type": "integer", "minimum": 0,
+                                                 "maximum": 100},
+                                           "y": {"type": "integer", "minimum": 0,
+                                                 "maximum": 100}}},
+                    "label": {"type": "string", "maxLength": 6}}},
+    {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1,
+     "maxItems": 4},
+    {"type": "object", "additionalProperties": False, "required": ["objects"],
+     "properties": {"objects": {"type": "array", "maxItems": 3, "items": {
+         "type": "object", "additionalProperties": False, "required": ["name", "count"],
+         "properties": {"name": {"type": "string", "maxLength": 5},
+                        "count": {"type": "integer", "minimum": 1, "maximum": 5}}}}}},
+    {"type": "object", "additionalProperties": False, "required": ["answer"],
+     "properties": {"answer": {"anyOf": [{"type": "null"},
+                                         {"type": "string", "pattern": "^[a-z]{1,5}$"}]}}},
+    {"enum": ["yes", "no", 3, None]},
+]
+
+
+def test_every_schema_holds(model, engines):
+    """Six schemas, three sampled answers each, in one batch: each parses, validates and
+    ended by itself (EOS allowed only once the value is complete)."""
+    pipe, _ = engines
+    reqs = [Request("text", model.prompts.query("Describe it."), [LAND, SQ, None][s % 3],
+                    Settings(temperature=1.0, top_p=0.9, seed=s, max_tokens=120,
+                             shape=parse({"json_schema": schema}).shape))
+            for schema in SCHEMAS for s in range(3)]
+    for r in reqs:
+        if r.image is None:
+            r.prompt = [model.cfg.tokenizer.bos_id] + r.prompt
+    outs = [h.result(timeout=300) for h in pipe.submit_many(reqs)]
+    for i, o in enumerate(outs):
+        schema = SCHEMAS[i // 3]
+        assert o["finish_reason"] == "stop", (schema, o["text"])
+        jsonschema.validate(json.loads(o["text"]), schema)
 
 
 def _parses(text: str) -> bool:

@@ -14,7 +14,9 @@ DEFAULT_MAX_OBJECTS = 50
 DEFAULT_SEED = 0
 
 SHAPES = ("json_schema", "regex", "choices")
-KNOWN = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "repeat_stop") + SHAPES
+KNOWN = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "repeat_stop",
+         "stop") + SHAPES
+MAX_STOPS = 4   # OpenAI's bound
 
 
 class SettingsError(ValueError):
@@ -34,6 +36,8 @@ class Settings:
     # The answer held to a shape (engine/grammar.py): (kind, the spec as canonical JSON),
     # kind one of SHAPES; None = free text.
     shape: tuple | None = None
+    # Stop strings: a text answer ends before the first one (finish reason "stop").
+    stop: tuple = ()
 
 
 def _int(name, v, lo):
@@ -87,7 +91,18 @@ def parse(settings: dict | None) -> Settings:
     shape = _shape(s)
     if shape is not None:
         out["shape"] = shape
+    if s.get("stop") is not None:
+        out["stop"] = _stops(s["stop"])
     return Settings(**out)
+
+
+def _stops(v) -> tuple:
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, (list, tuple)) or not 1 <= len(stops) <= MAX_STOPS or not all(
+            isinstance(x, str) and x for x in stops):
+        raise SettingsError(f"settings['stop'] must be a non-empty string or a list of 1 to "
+                            f"{MAX_STOPS} of them, got {v!r}")
+    return tuple(stops)
 
 
 def _shape(s: dict) -> tuple | None:

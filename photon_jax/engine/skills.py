@@ -71,11 +71,15 @@ class TextSkill:
 
     def __init__(self, *, max_tokens: int, prompt_end: int, max_context: int, eos_id: int,
                  decode: Callable, on_text: Callable | None = None, ignore_eos: bool = False,
-                 repeat_stop: int | None = None, shape=None):
+                 repeat_stop: int | None = None, shape=None, stop: tuple = ()):
         self.max_tokens, self.prompt_end, self.max_context = max_tokens, prompt_end, max_context
         self.eos_id, self.ignore_eos, self.repeat_stop = eos_id, ignore_eos, repeat_stop
         self.on_text = on_text
         self.shape = shape   # a grammar.Matcher, or None
+        # Stop strings (settings "stop"): the answer ends before the first one, which is
+        # not part of it.  Text that could be the start of one is held back from the
+        # stream until it is known not to be.
+        self.stop, self._held = tuple(stop), ""
         self.streamer = TextStreamer(decode)
         self.ids: list[int] = []
         self.pieces: list[str] = []
@@ -107,10 +111,33 @@ class TextSkill:
         if self.shape is not None:
             self.shape.consume(token)
         self.ids.append(token)
-        self._emit(self.streamer.push(token))
+        if self._release(self.streamer.push(token), self.streamer.pending()):
+            return "stop"
         if self.repeat_stop and repeats(self.ids, self.repeat_stop):
             return "repeat"
         return None if self.feedable(i) else "length"
+
+    def _release(self, piece: str, pending: str = "") -> bool:
+        """Emit a piece the streamer released, minding the stop strings -> a stop string
+        was found (the text before it is emitted, the rest never is)."""
+        if not self.stop:
+            self._emit(piece)
+            return False
+        self._held += piece
+        text = self._held + pending
+        hits = [k for k in (text.find(s) for s in self.stop) if k >= 0]
+        if hits:
+            self._emit(text[:min(hits)])
+            self._held, self.stop = "", ()
+            self.streamer = _Ended()
+            return True
+        # Hold back the longest tail that could begin a stop string.
+        keep = max((k for s in self.stop for k in range(1, len(s))
+                    if text.endswith(s[:k])), default=0)
+        n = min(len(self._held), len(text) - keep)
+        self._emit(self._held[:n])
+        self._held = self._held[n:]
+        return False
 
     def _emit(self, piece: str) -> None:
         if piece:
@@ -119,9 +146,24 @@ class TextSkill:
                 self.on_text(piece)
 
     def result(self, finish_reason: str) -> dict:
-        self._emit(self.streamer.flush())
+        if not self._release(self.streamer.flush()):
+            self._emit(self._held)
+            self._held = ""
         return {"text": "".join(self.pieces), "ids": list(self.ids),
                 "finish_reason": finish_reason, "output_tokens": self.count}
+
+
+class _Ended:
+    """The streamer of an answer cut at a stop string: nothing more is released."""
+
+    def push(self, token: int) -> str:
+        return ""
+
+    def pending(self) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
 
 
 def parse_segment(ids: list[int], values: list, decode: Callable, coord_id: int,
@@ -196,13 +238,14 @@ class ReasoningSkill:
     def __init__(self, *, max_tokens: int, prompt_end: int, max_context: int, eos_id: int,
                  answer_id: int, coord_id: int, chunk_ids: tuple, decode: Callable,
                  on_text: Callable | None = None, on_reasoning: Callable | None = None,
-                 ignore_eos: bool = False, repeat_stop: int | None = None, shape=None):
+                 ignore_eos: bool = False, repeat_stop: int | None = None, shape=None,
+                 stop: tuple = ()):
         self.max_tokens, self.prompt_end, self.max_context = max_tokens, prompt_end, max_context
         self.answer_id, self.coord_id, self.chunk_ids = answer_id, coord_id, chunk_ids
         self.decode, self.on_reasoning = decode, on_reasoning
         self._answer_args = dict(max_tokens=max_tokens, max_context=max_context, eos_id=eos_id,
                                  decode=decode, on_text=on_text, ignore_eos=ignore_eos,
-                                 repeat_stop=repeat_stop, shape=shape)
+                                 repeat_stop=repeat_stop, shape=shape, stop=stop)
         self.chunks: list[list[int]] = [[]]
         self.coords: list[list[float]] = [[]]
         self.answer: TextSkill | None = None
@@ -335,9 +378,10 @@ def for_request(req, tok, *, prompt_end: int, max_context: int, decode: Callable
     if req.skill == "text" and req.reasoning:
         return ReasoningSkill(answer_id=tok.answer_id, coord_id=tok.coord_id,
                               chunk_ids=(tok.start_ground_points_id, tok.end_ground_id),
-                              on_reasoning=on_reasoning, shape=shape, **text)
+                              on_reasoning=on_reasoning, shape=shape, stop=req.settings.stop,
+                              **text)
     if req.skill == "text":
-        return TextSkill(shape=shape, **text)
+        return TextSkill(shape=shape, stop=req.settings.stop, **text)
     if req.skill == "segment":
         return SegmentSkill(coord_id=tok.coord_id, size_id=tok.size_id,
                             **{**text, "on_text": None})

@@ -36,6 +36,10 @@ class TextStreamer:
             return out
         return ""
 
+    def pending(self) -> str:
+        """Text decoded but not released yet (what `flush` would return now)."""
+        return self.decode(self.tokens)[self.printed:] if self.tokens else ""
+
     def flush(self) -> str:
         if not self.tokens:
             return ""

@@ -482,7 +482,7 @@ class Server:
                 msg["content"] = parts
                 messages[n] = msg
             call = self._submit(lambda: md._chat(messages, c["reasoning"], c["stream"],
-                                                 c["settings"], False), held)
+                                                 c["settings"], False, c["n"]), held)
         except BaseException:
             for r in held:
                 r.release()
@@ -495,12 +495,19 @@ class Server:
             return self._sse(request, call, self._chat_events(call, base, c["include_usage"]),
                              "chat")
         await self._finish(request, call)
-        message = self._shape(call)["message"]
-        m = call.handles[0].metrics()
-        return JSONResponse({**base, "object": "chat.completion",
-                             "choices": [{"index": 0, "message": message,
-                                          "finish_reason": openai_finish(m["finish_reason"])}],
-                             "usage": _usage(m)})
+        choices, done = [], 0
+        for i, h in enumerate(call.handles):
+            try:
+                message = call.shape(h)["message"]
+            except Exception as e:  # noqa: BLE001 - mapped to a status
+                raise self._result_error(e) from None
+            m = h.metrics()
+            done += m["output_tokens"] or 0
+            choices.append({"index": i, "message": message,
+                            "finish_reason": openai_finish(m["finish_reason"])})
+        usage = _usage({**call.handles[0].metrics(), "output_tokens": done})
+        return JSONResponse({**base, "object": "chat.completion", "choices": choices,
+                             "usage": usage})
 
     async def _chat_events(self, call, base: dict, include_usage: bool):
         h = call.handles[0]

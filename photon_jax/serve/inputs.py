@@ -91,9 +91,12 @@ def check_settings(settings, max_context: int, param: str = "settings") -> dict 
 _CHAT_UNSUPPORTED = {
     "tools": "tools / function calling", "tool_choice": "tools / function calling",
     "functions": "function calling", "function_call": "function calling",
-    "logprobs": "logprobs", "top_logprobs": "logprobs", "stop": "stop sequences",
+    "logprobs": "logprobs", "top_logprobs": "logprobs",
     "logit_bias": "logit_bias", "audio": "audio output", "prediction": "predicted outputs",
 }
+
+
+MAX_N = 8   # answers per chat request (each is a row of the batch)
 
 
 def _response_format(rf) -> dict:
@@ -129,8 +132,15 @@ def parse_chat(body: dict, max_context: int) -> dict:
     for k in ("presence_penalty", "frequency_penalty"):
         if body.get(k) not in (None, 0, 0.0):
             raise bad(f"chat/completions: {k!r} is not supported (leave it 0 or unset)", k)
-    if body.get("n") not in (None, 1):
-        raise bad("chat/completions: n must be 1 (one answer per request)", "n")
+    answers = body.get("n", 1)
+    if answers is None:
+        answers = 1
+    if isinstance(answers, bool) or not isinstance(answers, int) or not 1 <= answers <= MAX_N:
+        raise bad(f"chat/completions: n must be an integer from 1 to {MAX_N}, got "
+                   f"{_short(answers)}", "n")
+    if answers > 1 and body.get("stream"):
+        raise bad("chat/completions: n > 1 does not stream here; send stream false, or n "
+                   "requests", "n")
     if body.get("modalities") not in (None, ["text"]):
         raise bad("chat/completions: only text output (modalities [\"text\"]) is supported",
                    "modalities")
@@ -165,7 +175,8 @@ def parse_chat(body: dict, max_context: int) -> dict:
     settings = _response_format(body.get("response_format"))
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     for src, key in ((mt, "max_tokens"), (body.get("temperature"), "temperature"),
-                     (body.get("top_p"), "top_p"), (body.get("seed"), "seed")):
+                     (body.get("top_p"), "top_p"), (body.get("seed"), "seed"),
+                     (body.get("stop"), "stop")):
         if src is not None:
             settings[key] = src
     check_settings(settings, max_context, "max_completion_tokens")
@@ -178,7 +189,7 @@ def parse_chat(body: dict, max_context: int) -> dict:
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, bool):
         raise bad("chat/completions: 'reasoning' must be true or false", "reasoning")
-    return {"messages": msgs, "images": images, "text_chars": chars,
+    return {"messages": msgs, "images": images, "text_chars": chars, "n": answers,
             "settings": settings or None, "stream": stream, "reasoning": reasoning,
             "include_usage": bool(so.get("include_usage"))}
 
