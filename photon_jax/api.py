@@ -15,7 +15,7 @@ request); a stream is an async iterator.  Cancelling the awaiting task cancels t
 The HTTP server (`photon_jax.serve`) is built on them.
 
 `return_metrics=True` (every method except streams) adds "metrics" to each result dict:
-{"finish_reason", "input_tokens", "output_tokens", "prefix_cache_hit",
+{"finish_reason", "input_tokens", "output_tokens", "prefix_cache_hit", "cached_tokens",
 "time_to_first_token_s", "decode_tokens_per_s"} (`request.Handle.metrics`).  Without it the
 result dicts are exactly Moondream's.
 """

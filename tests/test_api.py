@@ -73,7 +73,8 @@ def test_return_metrics_adds_how_each_result_ended(md, ref, cases):
     assert {k: v for k, v in first.items() if k != "metrics"} == plain
     m, m2 = first["metrics"], again["metrics"]
     assert set(m) == {"finish_reason", "input_tokens", "output_tokens", "prefix_cache_hit",
-                      "time_to_first_token_s", "decode_tokens_per_s"}
+                      "cached_tokens", "time_to_first_token_s", "decode_tokens_per_s"}
+    assert (m["cached_tokens"], m2["cached_tokens"]) == (0, md.config.prefix_len)
     prompt = md.engine.model.prompts.caption("short")
     assert m["input_tokens"] == md.config.prefix_len + len(prompt)
     assert m["finish_reason"] in ("stop", "length") and 0 < m["output_tokens"] <= 12

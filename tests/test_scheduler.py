@@ -218,6 +218,7 @@ def test_shared_prefix_pages_are_read_in_place_pinned_and_never_freed_by_a_reque
     request holds it, and freeing a request gives back its own pages only.  A miss shares
     the entry it creates too."""
     sc = scheduler(pages=21, prefix_len=10, share_prefix=True)   # prefix: 2 full + 1 partial
+    sc.text.enabled = False   # the image entry alone here (the conversation cache: below)
     assert sc.shared_pages == 2 and sc.prefix_pages == 3
     a = seq(12, budget=4, image=FakeImage(b"k"), prefix=10)      # 16 positions: 4 pages
     admit(sc, a)
@@ -286,3 +287,76 @@ def test_fail_all_returns_every_page():
         with pytest.raises(Exception, match="device lost"):
             s.handle.result(0)
     assert sc.alloc.in_use() == 0 and sc.alloc.reserved == 0 and sc.drained()
+
+
+def _run(sc, s, tokens):
+    """Admit, prefill and decode `s`, committing `tokens` (the last one ends it)."""
+    admit(sc, s)
+    assert launch_prefill(sc) == [s]
+    for i, t in enumerate(tokens):
+        if i:
+            decode(sc)
+        sc.commit([s], [t], [(0, 0)], 0.0)
+    assert s not in sc.running
+
+
+def _text_seq(prompt, budget=8):
+    h = Handle(FakeRunner(), Request("text", list(prompt)))
+    s = Seq(h, 0, len(prompt), FakeSkill(budget))
+    s.ready = True
+    return s
+
+
+def test_conversation_pages_are_kept_read_in_place_and_evicted_leaves_first():
+    """A finished sequence's full pages of written K/V (its prompt and every generated token
+    but the last, never fed) join the conversation cache; a prompt that starts the same way
+    reads them in place, pinned, and prefills from the first position past them; eviction
+    takes the deepest pages first, never a pinned one."""
+    sc = scheduler(pages=40, share_prefix=True)
+    p1 = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    a = _text_seq(p1)
+    _run(sc, a, [5, 6, 7, 0])                      # 10 + 3 fed positions: 3 full pages
+    assert len(sc.text.pages) == 3 and sc.text.inserts == 3
+    kept = [tp.page for tp in sc.text.pages.values()]
+    assert sc.alloc.in_use() == 3 and sc.alloc.reserved == 0
+    # The next turn: everything before, then new tokens.
+    b = _text_seq(p1 + [5, 6, 7, 8, 9])
+    admit(sc, b)
+    assert launch_prefill(sc) == [b]
+    assert b.start == 12 and sc.n_shared(b) == 3 and b.text_keys
+    assert sorted(b.pages[:3]) == sorted(kept) and set(b.pages[3:]).isdisjoint(kept)
+    assert all(tp.pins == 1 for tp in sc.text.pages.values())
+    sc.flush_outbox()
+    assert b.handle._cached_tokens == 12   # what its metrics report
+    # Under pressure while b runs, nothing it reads can go.
+    sc.text.evict_for(sc.alloc.usable)
+    assert len(sc.text.pages) == 3
+    sc.commit([b], [0], [(0, 0)], 0.0)              # b ends at once: nothing new to keep
+    assert all(tp.pins == 0 for tp in sc.text.pages.values())
+    # A prompt that differs inside page 1 reads page 0 only.
+    c = _text_seq(p1[:5] + [99] + p1[6:] + [5, 6])
+    admit(sc, c)
+    launch_prefill(sc)
+    assert c.start == 4 and len(c.text_keys) == 1
+    sc.commit([c], [0], [(0, 0)], 0.0)
+    # c kept its own pages 1 and 2 (a second chain from page 0); eviction takes leaves
+    # first: never a page while a deeper page of its chain stays.
+    assert len(sc.text.pages) == 5
+    order = list(sc.text.pages)
+    sc.text.evict_for(sc.alloc.available() + 2)
+    left = list(sc.text.pages)
+    assert left == order[2:] and sc.text.evictions == 2
+    assert sc.alloc.in_use() == len(left)
+    sc.text.clear()
+    assert sc.alloc.in_use() == 0
+
+
+def test_conversation_cache_is_off_without_page_tables_and_skips_spatial_refs():
+    sc = scheduler(pages=40)   # the XLA sweep: prefixes are copied, not read in place
+    _run(sc, _text_seq(list(range(10, 22))), [5, 0])
+    assert not sc.text.enabled and not sc.text.pages and sc.alloc.in_use() == 0
+    sc = scheduler(pages=40, share_prefix=True)
+    s = _text_seq(list(range(10, 22)))
+    s.kinds = [0] * 12   # a prompt with spatial refs: values the chain cannot name
+    _run(sc, s, [5, 0])
+    assert not sc.text.pages and sc.alloc.in_use() == 0

@@ -220,6 +220,7 @@ def test_chat_completions(live):
                                    else "stop")
     assert out["usage"]["prompt_tokens"] == want["metrics"]["input_tokens"]
     assert out["usage"]["completion_tokens"] == want["metrics"]["output_tokens"]
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == md.config.prefix_len
     # reasoning (the moondream client's chat passes it): the reasoning text and grounding.
     st, _, out = call(live, "/v1/chat/completions", {**body, "reasoning": True})
     want_r = md.query(uri_bytes(uri), "What is this?", reasoning=True, settings=S)

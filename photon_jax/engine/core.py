@@ -142,7 +142,8 @@ class Engine:
                                record_events=record_events, share_prefix=plat.shares_prefix,
                                prefill_cost=lambda rows, longest: (
                                    step_mod.prefill_row_bucket(rows, max_batch_size)
-                                   * step_mod.prompt_bucket(longest)))
+                                   * step_mod.prompt_bucket(longest)),
+                               spatial_ids=(cfg.tokenizer.coord_id, cfg.tokenizer.size_id))
         self.pipe = PipelineState()
         # Output shapes: compiled against this model's tokenizer on first use, then cached.
         self.grammars = grammar.Grammars(model.prompts.tok, cfg.text.vocab_size,
@@ -183,8 +184,9 @@ class Engine:
                                                               pack=self.platform.pack),
                 "page_size": self.page_size, "pages": a.usable, "pages_free": a.n_free,
                 "pages_reserved": a.reserved,
-                "pages_in_sequences": a.in_use() - c.pages(),
+                "pages_in_sequences": a.in_use() - c.pages() - len(self.sched.text.pages),
                 "pages_in_prefix_cache": c.pages(),
+                "pages_in_conversation_cache": len(self.sched.text.pages),
                 "arenas": list(self.arenas.sizes),
                 "slots": self.dev.nbytes()["slots"], "pending": self.dev.nbytes()["pending"],
                 "weights": self.plan.weights,
@@ -193,13 +195,18 @@ class Engine:
     def stats(self) -> dict:
         """Counters: steps by kind, tokens committed, zombie rows, and the prefix cache's
         hits, misses, inserts, evictions, current entries and pinned ones (held by
-        `encode_image` handles or by running requests reading their pages)."""
-        c = self.sched.cache
+        `encode_image` handles or by running requests reading their pages), and the
+        conversation cache's pages read, inserted, evicted, held and pinned."""
+        c, t = self.sched.cache, self.sched.text
         return {**dict(self.counters),
                 "prefix_cache": {"enabled": c.enabled, "hits": c.hits, "misses": c.misses,
                                  "inserts": c.inserts, "evictions": c.evictions,
                                  "entries": len(c.entries),
-                                 "pinned": sum(1 for e in c.entries.values() if e.pins)}}
+                                 "pinned": sum(1 for e in c.entries.values() if e.pins)},
+                "conversation_cache": {"enabled": t.enabled, "hit_pages": t.hit_pages,
+                                       "inserts": t.inserts, "evictions": t.evictions,
+                                       "pages": len(t.pages),
+                                       "pinned": sum(1 for p in t.pages.values() if p.pins)}}
 
     def submit(self, req: Request) -> Handle:
         """Queue a request; never blocks on the device.  A request that cannot run fails
@@ -328,6 +335,7 @@ class Engine:
             raise EngineError(f"the scheduler did not stop within {timeout} s")
         self._pool.shutdown(wait=True)
         self.sched.cache.clear()
+        self.sched.text.clear()
         for leaf in jax.tree.leaves(self.dev):
             if not leaf.is_deleted():
                 leaf.delete()
@@ -523,20 +531,23 @@ class Engine:
         P, params = self.programs, self.model.params
         n = len(batch)
         rb = step_mod.prefill_row_bucket(n, self.max_batch_size)
-        lens = [len(s.req.prompt) for s in batch]
+        # Each row computes its prompt from `start`: past its image prefix, and past the
+        # conversation-cache pages it reads.
+        lens = [s.prompt_end - s.start for s in batch]
         tb = step_mod.prompt_bucket(max(lens))
         ids = np.zeros((rb, tb), _I32)
         kinds = np.zeros((rb, tb), _I32)
         values = np.zeros((rb, tb, 2), np.float32)
         self.sched.start_prefill(batch)   # rows taken, clocks started
         for i, s in enumerate(batch):
-            ids[i, :lens[i]] = s.req.prompt
-            if s.kinds is not None:
+            ids[i, :lens[i]] = s.req.prompt[s.start - s.prefix:]
+            if s.kinds is not None:   # (spatial refs: never after cached pages)
                 kinds[i, :lens[i]], values[i, :lens[i]] = s.kinds, s.values
-        starts = [s.prefix for s in batch]
+        starts = [s.start for s in batch]
         kv_len = step_mod.kv_bucket(max(starts) + tb, self.max_context)
         kv_len = -(-kv_len // self.page_size) * self.page_size
-        pre, write, table = pack_prefill([s.row for s in batch], starts, starts, lens,
+        pre, write, table = pack_prefill([s.row for s in batch], starts,
+                                         [s.prefix for s in batch], lens,
                                          [s.pages for s in batch], rb, tb, kv_len,
                                          self.page_size)
         put = lambda a: jax.device_put(a, self.placement)  # noqa: E731

@@ -18,11 +18,21 @@ whose remaining positions its prompt fills; with the XLA sweep, which scores eac
 against one owner row (see `kvpool`), it copies every prefix page instead.  Entries are
 pinned by `encode_image` handles and by the requests reading them (never evicted while
 pinned) and otherwise evicted least-recently-used when an admission needs their pages.
+
+Conversation cache (`TextCache`).  The full pages of finished sequences -- prompt and
+generated tokens, past the image prefix -- keyed by a hash chain: a page's key hashes its
+parent's key and its own positions' tokens, so equal keys mean equal K/V for the whole
+sequence up to that page's end.  A new request whose prompt starts the same way (the next
+turn of a conversation, a shared system prompt) reads those pages in place and prefills
+only the rest.  It extends the image cache: a chain starts at the first page past an image
+entry's full pages (which the entry holds), or at page 0 for text-only sequences.  Pages are
+pinned by the requests reading them and evicted least-recently-used, leaves first.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -189,3 +199,85 @@ class PrefixCache:
     def clear(self) -> None:
         for e in list(self.entries.values()):
             self._drop(e)
+
+
+def chain_keys(root: bytes, tokens, page_size: int, n_pages: int) -> list[bytes]:
+    """The hash-chain key of each of the first `n_pages` full pages of a sequence: `root`
+    names what precedes the tokens' positions' meaning (the image key, or none) and `tokens`
+    holds one int per position (image positions: their index)."""
+    keys, parent = [], root
+    arr = np.asarray(tokens, np.int64)
+    for p in range(n_pages):
+        parent = hashlib.blake2b(parent + arr[p * page_size:(p + 1) * page_size].tobytes(),
+                                 digest_size=16).digest()
+        keys.append(parent)
+    return keys
+
+
+@dataclass
+class TextPage:
+    key: bytes
+    page: int
+    pins: int = 0
+
+
+@dataclass
+class TextCache:
+    """Finished sequences' full pages by hash-chain key, least recently used first."""
+    allocator: PageAllocator
+    enabled: bool = True
+    pages: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    hit_pages: int = 0
+    inserts: int = 0
+    evictions: int = 0
+
+    def match(self, keys: list[bytes]) -> list[TextPage]:
+        """The cached pages of the longest run of `keys` from its start."""
+        out = []
+        for k in keys:
+            tp = self.pages.get(k)
+            if tp is None:
+                break
+            out.append(tp)
+        return out
+
+    def use(self, hits: list[TextPage]) -> None:
+        """Pin pages a request reads; the deepest become least recent, so eviction takes
+        leaves before the pages they hang from."""
+        for tp in reversed(hits):
+            tp.pins += 1
+            self.pages.move_to_end(tp.key)
+        self.hit_pages += len(hits)
+
+    def unpin(self, keys: list[bytes]) -> None:
+        for k in keys:
+            self.pages[k].pins -= 1
+
+    def insert(self, key: bytes, page: int) -> bool:
+        """Keep `page` under `key` (most recent; insert a chain deepest first, so that its
+        root is newest) -> False when the key is cached already (the caller gives the page
+        back)."""
+        if not self.enabled or key in self.pages:
+            return False
+        self.pages[key] = TextPage(key, page)
+        self.inserts += 1
+        return True
+
+    def evictable_pages(self) -> int:
+        return sum(1 for tp in self.pages.values() if tp.pins == 0)
+
+    def evict_for(self, n_pages: int) -> None:
+        """Evict unpinned pages, least recently used first, until n_pages are available."""
+        for key in list(self.pages):
+            if self.allocator.available() >= n_pages:
+                return
+            tp = self.pages[key]
+            if tp.pins == 0:
+                del self.pages[key]
+                self.allocator.give_back([tp.page])
+                self.evictions += 1
+
+    def clear(self) -> None:
+        for tp in self.pages.values():
+            self.allocator.give_back([tp.page])
+        self.pages.clear()

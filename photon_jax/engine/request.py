@@ -76,6 +76,7 @@ class Handle:
         self._t_first = self._t_end = None
         self._input_tokens = self._output_tokens = 0
         self._prefix_hit: bool | None = None
+        self._cached_tokens = 0
 
     def done(self) -> bool:
         """-> True once the request finished (result, error or cancellation)."""
@@ -90,6 +91,8 @@ class Handle:
         ("stop", "length", "repeat", "max_objects", "cancelled", "error"), "input_tokens"
         (prompt positions, the image prefix included), "output_tokens" (as in the result),
         "prefix_cache_hit" (True / False; None without an image or with the cache off),
+        "cached_tokens" (leading prompt positions read from the caches, not computed: an
+        image prefix, earlier turns of a conversation),
         "time_to_first_token_s", "decode_tokens_per_s" (after the first token; None below
         two tokens)}."""
         if not self._done.is_set():
@@ -103,6 +106,7 @@ class Handle:
         reason = "error" if self._error is not None else res.get("finish_reason")
         return {"finish_reason": reason, "input_tokens": self._input_tokens,
                 "output_tokens": n, "prefix_cache_hit": self._prefix_hit,
+                "cached_tokens": self._cached_tokens,
                 "time_to_first_token_s": ttft, "decode_tokens_per_s": rate}
 
     def result(self, timeout: float | None = None):
@@ -186,10 +190,13 @@ class Handle:
 
     # The delivery side: called by `scheduler.Outbox` only (see the module docstring).
 
-    def deliver_prefill(self, input_tokens: int, prefix_hit: bool | None) -> None:
+    def deliver_prefill(self, input_tokens: int, prefix_hit: bool | None,
+                        cached_tokens: int = 0) -> None:
         """The request's prefill was launched: its prompt positions, image prefix included,
-        and whether that prefix came from the cache (None: no image prefix)."""
+        whether that prefix came from the cache (None: no image prefix), and how many
+        leading positions were read from the caches instead of computed."""
         self._input_tokens, self._prefix_hit = input_tokens, prefix_hit
+        self._cached_tokens = cached_tokens
 
     def deliver_token(self, now: float) -> None:
         """One of its tokens was committed at `now` (perf_counter)."""

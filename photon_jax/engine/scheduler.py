@@ -27,7 +27,7 @@ import enum
 import itertools
 from dataclasses import dataclass
 
-from .pages import Entry, PageAllocator, PrefixCache, pages_for
+from .pages import Entry, PageAllocator, PrefixCache, TextCache, chain_keys, pages_for
 from .request import EngineError, Handle, RequestError
 
 
@@ -61,8 +61,9 @@ class Outbox:
     def __init__(self):
         self._queue: list = []
 
-    def prefill(self, h: Handle, input_tokens: int, prefix_hit: bool | None) -> None:
-        self._queue.append((h.deliver_prefill, (input_tokens, prefix_hit)))
+    def prefill(self, h: Handle, input_tokens: int, prefix_hit: bool | None,
+                cached_tokens: int = 0) -> None:
+        self._queue.append((h.deliver_prefill, (input_tokens, prefix_hit, cached_tokens)))
 
     def token(self, h: Handle, now: float) -> None:
         self._queue.append((h.deliver_token, (now,)))
@@ -101,6 +102,9 @@ class Seq:
         self.pages: list[int] = []   # assigned pages, logical order
         self.shared = None        # key of the cache entry whose full prefix pages lead
                                   # `pages` (read, never written; pinned until freed)
+        self.text_keys: list = []  # conversation-cache pages read after them (pinned)
+        self.start = prefix       # first position the prefill computes (past cached pages)
+        self.generated: list[int] = []   # committed tokens, in order
         self.reserved = 0         # pages still promised to it (assigned lazily)
         self.row = 0
         self.length = 0           # GPU clock: next KV position written (advanced at launch)
@@ -129,12 +133,17 @@ class Scheduler:
     def __init__(self, *, max_batch_size: int, n_pages: int, page_size: int,
                  prefix_len: int, prefill_tokens: int, prefix_cache: bool = True,
                  record_events: bool = False, share_prefix: bool = False,
-                 prefill_cost=None):
+                 prefill_cost=None, spatial_ids: tuple = ()):
         self.max_batch_size, self.page_size = max_batch_size, page_size
         self.prefill_tokens = prefill_tokens
         self.prefill_cost = prefill_cost or (lambda rows, longest: rows * longest)
         self.alloc = PageAllocator(n_pages)
         self.cache = PrefixCache(self.alloc, enabled=prefix_cache)
+        # The conversation cache reads pages in place, so only where page tables do.
+        self.text = TextCache(self.alloc, enabled=prefix_cache and share_prefix)
+        # Generated ids fed back as values, not as tokens (coordinates, sizes): a chain of
+        # token ids cannot describe their K/V, so a cached sequence ends before them.
+        self.spatial_ids = frozenset(spatial_ids)
         self.prefix_pages = pages_for(prefix_len, page_size)
         # Full pages of a prefix (shared when allowed); the last, partial one is copied, as
         # the request's prompt is written into the rest of it.
@@ -207,7 +216,7 @@ class Scheduler:
         hit's pages it will read: `share`).  False: not now (it waits)."""
         need = s.need_pages - shared
         if self.alloc.available() < need:
-            self.cache.evict_for(need, keep)
+            self.evict_for(need, keep)
             if self.alloc.available() < need:
                 return False
         self.alloc.reserve(need)
@@ -232,8 +241,59 @@ class Scheduler:
         self.cache.pin(entry.key)
 
     def n_shared(self, s: Seq) -> int:
-        """How many leading pages of the request are its cache entry's (0: none)."""
-        return self.shared_pages if s.shared is not None else 0
+        """How many leading pages of the request it reads and does not own: its image
+        entry's full pages, then its conversation-cache pages."""
+        return (self.shared_pages if s.shared is not None else 0) + len(s.text_keys)
+
+    def evict_for(self, n_pages: int, keep: set = frozenset()) -> None:
+        """Make n_pages available: conversation pages first (they hang from image entries),
+        then image entries, each least recently used first."""
+        self.text.evict_for(n_pages)
+        if self.alloc.available() < n_pages:
+            self.cache.evict_for(n_pages, keep)
+
+    # -- the conversation cache -----------------------------------------------------------
+
+    def _chain(self, s: Seq, tokens: list, n_pages: int) -> list:
+        """Hash-chain keys of the first n_pages full pages of `s`'s sequence."""
+        root = b"image:" + s.key if s.key is not None else b"text"
+        return chain_keys(root, list(range(s.prefix)) + tokens, self.page_size, n_pages)
+
+    def _text_usable(self, s: Seq, src) -> bool:
+        return (self.text.enabled and s.skill is not None and s.kinds is None
+                and ((src is None and s.prefix == 0) or (src is not None and src.hit)))
+
+    def text_hit(self, s: Seq, src) -> list:
+        """The cached pages that continue `s`'s prompt past its image entry's full pages,
+        leaving at least one prompt position to compute (it gives the first token)."""
+        if not self._text_usable(s, src):
+            return []
+        first = s.prefix // self.page_size
+        n_full = (s.prompt_end - 1) // self.page_size
+        if n_full <= first:
+            return []
+        return self.text.match(self._chain(s, list(s.req.prompt), n_full)[first:])
+
+    def keep_text(self, s: Seq) -> None:
+        """At release: the request's own full pages of written K/V join the conversation
+        cache (prompt and generated tokens; the last generated one was never fed)."""
+        if (not self.text.enabled or s.skill is None or s.kinds is not None
+                or s.finish_reason == "error" or (s.prefix and s.shared is None)):
+            return   # spatial refs' values, a failure, or an image with no entry to hang from
+        fed = []
+        for t in s.generated[:-1]:
+            if t in self.spatial_ids:
+                break
+            fed.append(t)
+        tokens = list(s.req.prompt) + fed
+        n_full = (s.prefix + len(tokens)) // self.page_size
+        keys = self._chain(s, tokens, n_full)
+        own = self.n_shared(s)
+        first = max(own, s.prefix // self.page_size)
+        kept = {p for p in reversed(range(first, min(n_full, len(s.pages))))
+                if self.text.insert(keys[p], s.pages[p])}
+        if kept:
+            s.pages = [pg for i, pg in enumerate(s.pages) if i not in kept]
 
     def cache_miss(self, s: Seq, keep: set):
         """A cache entry for a miss's prefix (evicting older ones if needed), or None when
@@ -241,7 +301,7 @@ class Scheduler:
         if not self.cache.enabled:
             return None
         if self.alloc.available() < self.prefix_pages:
-            self.cache.evict_for(self.prefix_pages, keep)
+            self.evict_for(self.prefix_pages, keep)
         return self.cache.insert(s.key, self.prefix_pages, s.image.tiling)
 
     def next_encode(self):
@@ -258,7 +318,7 @@ class Scheduler:
                 self.cache.count_hit()
                 return s, src
             if self.alloc.available() < self.prefix_pages:
-                self.cache.evict_for(self.prefix_pages)
+                self.evict_for(self.prefix_pages)
             entry = self.cache.insert(s.key, self.prefix_pages, s.image.tiling, pin=True)
             if entry is None:
                 continue   # waits for pages
@@ -304,13 +364,22 @@ class Scheduler:
             if src is LATER:
                 continue
             hit = src is not None and src.hit
-            if not self.admit_pages(s, keep, self.shared_pages if hit else 0):
+            text = self.text_hit(s, src)
+            self.text.use(text)   # pinned now: admission's evictions must not take them
+            if not self.admit_pages(s, keep, (self.shared_pages if hit else 0) + len(text)):
+                self.text.unpin([tp.key for tp in text])
+                self.text.hit_pages -= len(text)
                 break
             if src is not None:
                 keep.add(s.key)
                 if not hit:
                     src = Source(Origin.MISS, self.cache_miss(s, keep))
                 self.share(s, src.entry, owned=not hit)
+            if text:
+                first = s.prefix // self.page_size
+                s.pages = s.pages[:first] + [tp.page for tp in text] + s.pages[first:]
+                s.text_keys = [tp.key for tp in text]
+                s.start = (first + len(text)) * self.page_size
             s.source = src
             batch.append(s)
             tokens, longest = tokens + s.prompt_end, wide
@@ -330,8 +399,9 @@ class Scheduler:
         first token sampled by the device (token index 0)."""
         for s in batch:
             self.waiting.remove(s)
+            cached = s.start if (s.text_keys or (s.source is not None and s.source.hit)) else 0
             self.outbox.prefill(s.handle, s.prompt_end,
-                                None if s.source is None else s.source.hit)
+                                None if s.source is None else s.source.hit, cached)
             s.row = self.free_rows.pop()
             self._event("acquire", s, s.row)
             self.running.append(s)
@@ -371,6 +441,7 @@ class Scheduler:
                     self.release(s)
                 continue
             self.outbox.token(s.handle, now)
+            s.generated.append(int(tokens[i]))
             try:
                 reason = s.skill.consume(int(tokens[i]), values[i])
             except Exception as e:  # e.g. a tokenizer failure: this request alone fails
@@ -405,6 +476,7 @@ class Scheduler:
         self.running.remove(s)
         self.free_rows.append(s.row)
         self.free_rows.sort(reverse=True)
+        self.keep_text(s)
         self.free_pages(s)
         s.row = -1
         if s.outcome is not None:
@@ -415,7 +487,9 @@ class Scheduler:
         self.alloc.unreserve(s.reserved)
         if s.shared is not None:
             self.cache.unpin(s.shared)
-        s.pages, s.reserved, s.shared = [], 0, None
+        self.text.unpin(s.text_keys)
+        s.pages, s.reserved, s.shared, s.text_keys = [], 0, None, []
+        s.start = s.prefix
 
     def flush_outbox(self) -> None:
         self.outbox.flush()
@@ -462,7 +536,8 @@ class Scheduler:
             return
         for q in (self.waiting, self.encodes):
             for s in list(q):
-                free = self.alloc.available() + self.cache.evictable_pages()
+                free = (self.alloc.available() + self.cache.evictable_pages()
+                        + self.text.evictable_pages())
                 if s.ready and s.need_pages > free:
                     q.remove(s)
                     pinned = self.cache.pages() - self.cache.evictable_pages()

@@ -596,7 +596,8 @@ async def _next_or_stop(it, stop: asyncio.Event, timeout: float | None):
 
 def _usage(m: dict) -> dict:
     p, c = m["input_tokens"] or 0, m["output_tokens"] or 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": m.get("cached_tokens") or 0}}
 
 
 def _event(ev) -> str:
