@@ -191,6 +191,17 @@ def test_shapes_bench_smoke():
     assert row["mask_bytes"]["2"] == 4 * 4 * 1024 and row["mask_us"] > 0
 
 
+def test_conversation_bench_smoke():
+    rows = run("conversation.py", "--config", "tiny", "--turns", "2", "--answer-tokens", "4",
+               "--shared", "2")
+    turns = [r for r in rows if r["kind"] == "conversation"]
+    assert len(turns) == 4 and all(r["same_answer"] for r in turns)
+    cached = [r["cached_tokens"] for r in turns if r["cache"]]
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+    share = rows[-1]
+    assert share["kind"] == "prefix_sharing" and share["peak_pages"]["shared"] > 0
+
+
 def test_kv_bench_smoke():
     rows = run("kv.py", "--config", "tiny", "--batch", "2", "--pages", "64", "--reps", "1",
                "--position", "100")

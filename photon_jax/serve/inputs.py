@@ -172,6 +172,11 @@ def parse_chat(body: dict, max_context: int) -> dict:
     if len(images) > 1:
         raise bad(f"chat/completions: {len(images)} images given; this server takes at most "
                    "one image per conversation, in the first user message", "messages")
+    first = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), None)
+    if images and images[0][0] != first:
+        raise bad(f"chat/completions: the image is in messages[{images[0][0]}]; this server "
+                   "places an image only at the start: put it in the first user message",
+                   "messages")
     settings = _response_format(body.get("response_format"))
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     for src, key in ((mt, "max_tokens"), (body.get("temperature"), "temperature"),
