@@ -141,7 +141,10 @@ def main(argv=None) -> int:
         model = Model(cfg, model.params, model.prompts.tok, device=model.device)
     runs = {}
     for cache in (False, True):   # cache off first: it also compiles what both use
-        eng = Engine(model, max_batch_size=4, max_context=ctx, prefix_cache=cache)
+        # The pool: the conversation, its cached pages and the image entry, with room to
+        # spare (not most of the host's memory, as an engine's default pool would take).
+        eng = Engine(model, max_batch_size=4, max_context=ctx, prefix_cache=cache,
+                     kv_cache_tokens=4 * -(-ctx // 64) * 64)
         try:
             # Warm-up: the same conversation about the image mirrored (same crops, another
             # key) compiles every shape the timed one uses and caches nothing it could read.

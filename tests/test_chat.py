@@ -199,3 +199,30 @@ def test_stop_on_the_engine(md):
     streamed = list(md.chat(convo, reasoning=False, stream=True,
                             settings={**s, "stop": " " + words[2]}))
     assert "".join(d.get("content", "") for d in streamed) == " ".join(words[:2])
+
+
+def test_moondream3_chat_uses_kestrels_openers(md3_ckpt):
+    """Moondream 3's chat ends its prompt with kestrel's [3] (answer) / [4] (reasoning), not
+    `query`'s doubled [3, 3], and runs on the engine: the result is the engine's answer to
+    exactly that prompt."""
+    from photon_jax.engine.request import Request
+
+    with Moondream.load(md3_ckpt, max_batch_size=4) as md3:
+        m = md3._m
+        convo = [{"role": "system", "content": "w40"},
+                 {"role": "user", "content": [{"type": "image", "image": SQ},
+                                              {"type": "text", "text": "w5 w6"}]}]
+        ids = {}
+        for reasoning in (False, True):
+            ids[reasoning] = render(parse_messages(convo, lambda p, w: p), family="moondream3",
+                                    query_prefix=m.cfg.tokenizer.query_prefix,
+                                    encode=m.prompts.encode, reasoning=reasoning).ids
+        text = m.prompts.encode("w40\n\nw5 w6")
+        assert ids[False] == list(m.cfg.tokenizer.query_prefix) + text + [3]
+        assert ids[True] == list(m.cfg.tokenizer.query_prefix) + text + [4]
+        assert m.prompts.query("w5 w6")[-2:] == [3, 3]   # query keeps the reference's
+        out = md3.chat(convo, reasoning=False, settings=G, return_metrics=True)
+        want = md3.engine.submit(Request("text", ids[False], SQ,
+                                         Settings(temperature=0, max_tokens=6))).result()
+        assert out["message"]["content"] == want["text"]
+        assert out["metrics"]["input_tokens"] == m.cfg.prefix_len + len(ids[False])
