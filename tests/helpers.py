@@ -456,7 +456,9 @@ ENGINE_IMAGES = [os.path.join(FIXTURE_DIR, f) for f in ("img_land800x600.png",
 
 def workload(model, encoded, seed, n):
     """Random mixed requests over ENGINE_IMAGES (`encoded`: their reference encodings):
-    (Request, the one-request path's output)."""
+    (Request, the one-request path's output).  "shared" requests are text-only behind one
+    145-token system prompt (two full pages of 64): once one of them has finished, the
+    others read its pages from the conversation cache, and must still equal the reference."""
     from photon_jax.engine.request import Request
     from photon_jax.engine.settings import Settings
 
@@ -469,7 +471,7 @@ def workload(model, encoded, seed, n):
         hot = rng.random() < 0.5
         s = Settings(temperature=0.9 if hot else 0.0, top_p=0.8, seed=int(rng.integers(100)),
                      max_tokens=int(rng.integers(1, 14)), max_objects=int(rng.integers(1, 4)))
-        kind = rng.choice(["caption", "query", "text_only", "detect", "point"])
+        kind = rng.choice(["caption", "query", "text_only", "detect", "point", "shared"])
         if kind == "caption":
             req = Request("text", pr.caption(str(rng.choice(["short", "normal", "long"]))),
                           image, s)
@@ -477,6 +479,9 @@ def workload(model, encoded, seed, n):
             req = Request("text", pr.query(f"w{rng.integers(50, 900)} w7"), image, s)
         elif kind == "text_only":
             req = Request("text", [0] + pr.query(f"w{rng.integers(50, 900)}"), None, s)
+        elif kind == "shared":
+            system = pr.encode(" ".join(f"w{1000 + j}" for j in range(140)))
+            req = Request("text", [0] + system + pr.query(f"w{rng.integers(50, 900)}"), None, s)
         else:
             req = Request(kind, (pr.detect if kind == "detect" else pr.point)(
                 f"w{rng.integers(50, 900)}"), image, s)
