@@ -360,3 +360,20 @@ def test_conversation_cache_is_off_without_page_tables_and_skips_spatial_refs():
     s.kinds = [0] * 12   # a prompt with spatial refs: values the chain cannot name
     _run(sc, s, [5, 0])
     assert not sc.text.pages and sc.alloc.in_use() == 0
+
+
+def test_a_follow_up_counts_only_what_its_prefill_computes():
+    """Two follow-ups whose 20-position prompts are 16 positions cached share one prefill
+    under a budget of 16 computed positions (4 each, padding included); counted whole, they
+    would each have taken a launch of their own."""
+    sc = Scheduler(max_batch_size=4, n_pages=60, page_size=PAGE, prefix_len=8,
+                   prefill_tokens=16, share_prefix=True,
+                   prefill_cost=lambda rows, longest: rows * longest)
+    stem = list(range(30, 46))
+    for tail in ([5], [6]):                         # two first turns: 17 + 1 fed
+        _run(sc, _text_seq(stem + tail[:1]), [7, 8, 0])
+    follow = [_text_seq(stem + [5, 7, 8, 9]), _text_seq(stem + [6, 7, 8, 9])]
+    admit(sc, *follow)
+    batch = launch_prefill(sc)
+    assert batch == follow and all(s.start == 16 for s in follow)
+    assert all(s.prompt_end - s.start == 4 for s in follow)

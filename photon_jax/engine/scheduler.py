@@ -347,13 +347,7 @@ class Scheduler:
         for s in list(self.waiting):
             if not self.resolve(s):
                 continue
-            # The padded shape counts as well as the real positions: one long prompt among
-            # short ones pads every row to its length (and the rows to their bucket), and
-            # the memory plan's workspace holds only prefill_tokens computed positions.
-            wide = max(longest, s.prompt_end - s.prefix)
-            if len(batch) == min(len(self.free_rows), self.max_batch_size) or (
-                    batch and (tokens + s.prompt_end > self.prefill_tokens or
-                               self.prefill_cost(len(batch) + 1, wide) > self.prefill_tokens)):
+            if len(batch) == min(len(self.free_rows), self.max_batch_size):
                 break
             try:
                 src = self.source(s)
@@ -365,6 +359,18 @@ class Scheduler:
                 continue
             hit = src is not None and src.hit
             text = self.text_hit(s, src)
+            first = s.prefix // self.page_size
+            start = (first + len(text)) * self.page_size if text else s.prefix
+            # What this launch computes for the request: its prompt past the cached pages
+            # (and its image prefix on a miss).  The padded shape counts as well as the
+            # real positions: one long prompt among short ones pads every row to its length
+            # (and the rows to their bucket), and the memory plan's workspace holds only
+            # prefill_tokens computed positions.
+            own = s.prompt_end - (start if text else 0)
+            wide = max(longest, s.prompt_end - start)
+            if batch and (tokens + own > self.prefill_tokens or
+                          self.prefill_cost(len(batch) + 1, wide) > self.prefill_tokens):
+                break
             self.text.use(text)   # pinned now: admission's evictions must not take them
             if not self.admit_pages(s, keep, (self.shared_pages if hit else 0) + len(text)):
                 self.text.unpin([tp.key for tp in text])
@@ -376,13 +382,12 @@ class Scheduler:
                     src = Source(Origin.MISS, self.cache_miss(s, keep))
                 self.share(s, src.entry, owned=not hit)
             if text:
-                first = s.prefix // self.page_size
                 s.pages = s.pages[:first] + [tp.page for tp in text] + s.pages[first:]
                 s.text_keys = [tp.key for tp in text]
-                s.start = (first + len(text)) * self.page_size
+                s.start = start
             s.source = src
             batch.append(s)
-            tokens, longest = tokens + s.prompt_end, wide
+            tokens, longest = tokens + own, wide
         return batch
 
     def unplan(self, batch: list[Seq]) -> None:
