@@ -203,6 +203,12 @@ def program_rows(device, batch: int, models, weights=None):
             yield compile_row("program", prog, (params, dev.slots[0], dev.pending,
                                                 dev.tables, a["samp"]), device,
                               program=f"sample_step{stochastic, region}", **info)
+        # The sampler with the output shapes' bitmask (rows held to a JSON schema).
+        words = jax.ShapeDtypeStruct((a["samp"].shape[1], (cfg.text.vocab_size + 31) // 32),
+                                 np.int32)
+        yield compile_row("program", P.sample_step[(True, True)],
+                          (params, dev.slots[0], dev.pending, dev.tables, a["samp"], words),
+                          device, program="sample_step_masked", **info)
         yield compile_row("program", P.ceiling, (params, dev.pool, dev.slots[0], dev.pending,
                                                  dev.tables, stacked(a["meta"], 4),
                                                  stacked(a["owners"], 4), a["samp"]),

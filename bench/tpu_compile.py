@@ -225,6 +225,11 @@ def program_calls(cfg, a: dict, batch: int, grouped: str | None = None, tp=None)
     for (stochastic, region), prog in P.sample_step.items():
         yield (f"sample_step{stochastic, region}", {"rows": batch}, prog,
                (params, dev.slots[0], dev.pending, dev.tables, a["samp"]))
+    # The sampler with the output shapes' bitmask (rows held to a JSON schema).
+    words = jax.ShapeDtypeStruct((a["samp"].shape[1], (cfg.text.vocab_size + 31) // 32),
+                                 np.int32)
+    yield ("sample_step_masked", {"rows": batch}, P.sample_step[(True, True)],
+           (params, dev.slots[0], dev.pending, dev.tables, a["samp"], words))
     # A prompt of 64 tokens after the image prefix, per prefill row bucket.
     prompt = 64
     kv_len = -(-(cfg.prefix_len + prompt) // PAGE) * PAGE

@@ -397,6 +397,15 @@ class Moondream:
                             lambda r: {"path": r["path"], "bbox": r["bbox"]},
                             return_metrics=return_metrics)
 
+    def check_settings(self, settings: dict | None) -> None:
+        """Check `settings` now and compile their output shape (json_schema / regex /
+        choices) into the engine's cache, so that a bad one raises here, by name
+        (`SettingsError`, `RequestError`).  Calls do this themselves; the server calls it
+        on a worker thread, keeping a large schema's compile off its event loop."""
+        s = parse(settings)
+        if s.shape is not None:
+            self.engine.grammars.matcher(*s.shape)
+
     def chat(self, messages: list, *, reasoning: bool | None = None, stream: bool = False,
              settings: dict | None = None, return_metrics: bool = False):
         """Answer the last user message of a conversation, rendered as Moondream's own engine

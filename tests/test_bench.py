@@ -115,7 +115,8 @@ def test_gpu_compile_script_lowers_every_program_without_the_cuda_plugin():
     assert programs == {"forward", "forward_s16", "ceiling", "prefill_slot", "image_kv", "write_prefix_pages",
                         "copy_pages",
                         "sample_step(False, False)", "sample_step(False, True)",
-                        "sample_step(True, False)", "sample_step(True, True)"}
+                        "sample_step(True, False)", "sample_step(True, True)",
+                        "sample_step_masked"}
     kernels = [r for r in rows if r["what"] == "kernel"]
     # Our kernel: every split variant at full Moondream 2 and 3 shapes, every pool dtype.
     assert {(r["model"], r["kv_dtype"], r["splits"]) for r in kernels if r["page_size"] == 64
@@ -282,7 +283,8 @@ def test_tpu_compile_lower_only_lowers_every_serving_program_for_tpu():
     assert rows and all(r["lowered"] for r in rows), [r.get("error") for r in rows]
     progs = {r["program"] for r in rows}
     assert {"forward", "prefill_slot", "write_prefix_pages", "copy_pages", "encode_image",
-            "image_kv"} <= progs and sum(p.startswith("sample_step") for p in progs) == 4
+            "image_kv", "sample_step_masked"} <= progs
+    assert sum(p.startswith("sample_step") for p in progs) == 5   # 4 variants + the masked
     # The tiny config's two layers, at every row bucket; nothing else calls a TPU kernel.
     assert [r["tpu_kernels"] for r in rows if r["program"] == "forward"] == [2, 2, 2]
     assert {r["tpu_kernels"] for r in rows if r["program"] != "forward"} == {0}

@@ -66,9 +66,14 @@ def test_decode_path_programs_are_sync_free(make_cfg):
         texts["forward"] = P.forward.lower(model.params, dev.pool.arenas(n), dev.slots[0],
                                            dev.pending, meta, pages).compile().as_text()
         samp = np.zeros((7, 2), np.int32)
+        mask = np.full((2, (cfg.text.vocab_size + 31) // 32), -1, np.int32)
         for (stochastic, region), prog in P.sample_step.items():
             texts[f"sample{stochastic, region}"] = prog.lower(
                 model.params, dev.slots[0], dev.pending, dev.tables, samp).compile().as_text()
+            # ...and its twin with the output shapes' bitmask (engine/grammar.py).
+            texts[f"sample{stochastic, region}_masked"] = prog.lower(
+                model.params, dev.slots[0], dev.pending, dev.tables, samp,
+                mask).compile().as_text()
         # Prefill of a prompt after an image prefix, the image prefix itself, and its pages.
         pre, write, table = M.pack_prefill([1], [730], [730], [5], [tables[0]], 1, 16, 768,
                                            64)

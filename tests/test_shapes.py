@@ -166,6 +166,16 @@ def test_bad_shapes_are_refused_by_name(model, engines, tiny_ckpt):
         parse({"json_schema": "{}"})
     with pytest.raises(SettingsError, match="choices"):
         parse({"choices": []})
+    # Bounded before anything compiles: the spec's size, its nesting, a stop string's length.
+    with pytest.raises(SettingsError, match="bytes as JSON"):
+        parse({"choices": ["x" * 1000] * 100})
+    deep = {}
+    for _ in range(100_000):
+        deep = {"items": deep}
+    with pytest.raises(SettingsError, match="nested too deeply"):
+        parse({"json_schema": deep})
+    with pytest.raises(SettingsError, match="1 to 256 characters"):
+        parse({"stop": "x" * 257})
     h = pipe.submit(Request("detect", model.prompts.detect("w5"), LAND,
                             parse({"choices": ["a"]})))
     with pytest.raises(RequestError, match="shapes a text answer"):

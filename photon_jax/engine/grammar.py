@@ -24,15 +24,14 @@ The shape is applied to the answer only: a reasoning query's reasoning is free t
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 
 import numpy as np
 
 from .request import RequestError
-
-# The settings keys that hold a shape, and what each holds.
-SHAPE_KEYS = ("json_schema", "regex", "choices")
+from .settings import SHAPES
 
 
 def _library():
@@ -47,7 +46,6 @@ def _library():
 
 
 def _choices_regex(choices) -> str:
-    import re
     return "(" + "|".join(re.escape(c) for c in choices) + ")"
 
 
@@ -73,9 +71,6 @@ class Matcher:
         a token forced past it, e.g. at the length cap) leaves the matcher in error; its
         later masks then allow EOS only."""
         self._m.consume_token(int(token))
-
-    def done(self) -> bool:
-        return self._m.is_stopped() or self._m.is_error()
 
 
 class Grammars:
@@ -132,7 +127,7 @@ class Grammars:
                 grammar = llg.LLMatcher.grammar_from_regex(_choices_regex(spec))
             else:
                 raise RequestError(f"unknown output shape {kind!r}; expected one of "
-                                   f"{list(SHAPE_KEYS)}")
+                                   f"{list(SHAPES)}")
         except RequestError:
             raise
         except Exception as e:  # noqa: BLE001

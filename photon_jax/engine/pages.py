@@ -227,7 +227,7 @@ class TextCache:
     allocator: PageAllocator
     enabled: bool = True
     pages: collections.OrderedDict = field(default_factory=collections.OrderedDict)
-    hit_pages: int = 0
+    hit_pages: int = 0   # pages read by launched prefills (counted by the scheduler)
     inserts: int = 0
     evictions: int = 0
 
@@ -247,7 +247,6 @@ class TextCache:
         for tp in reversed(hits):
             tp.pins += 1
             self.pages.move_to_end(tp.key)
-        self.hit_pages += len(hits)
 
     def unpin(self, keys: list[bytes]) -> None:
         for k in keys:

@@ -104,6 +104,7 @@ class Seq:
                                   # `pages` (read, never written; pinned until freed)
         self.text_keys: list = []  # conversation-cache pages read after them (pinned)
         self.start = prefix       # first position the prefill computes (past cached pages)
+        self.prompt_chain = None  # the prompt's full pages' hash-chain keys (computed once)
         self.generated: list[int] = []   # committed tokens, in order
         self.reserved = 0         # pages still promised to it (assigned lazily)
         self.row = 0
@@ -272,7 +273,9 @@ class Scheduler:
         n_full = (s.prompt_end - 1) // self.page_size
         if n_full <= first:
             return []
-        return self.text.match(self._chain(s, list(s.req.prompt), n_full)[first:])
+        if s.prompt_chain is None:   # a waiting request is looked up every tick
+            s.prompt_chain = self._chain(s, list(s.req.prompt), n_full)
+        return self.text.match(s.prompt_chain[first:])
 
     def keep_text(self, s: Seq) -> None:
         """At release: the request's own full pages of written K/V join the conversation
@@ -374,7 +377,6 @@ class Scheduler:
             self.text.use(text)   # pinned now: admission's evictions must not take them
             if not self.admit_pages(s, keep, (self.shared_pages if hit else 0) + len(text)):
                 self.text.unpin([tp.key for tp in text])
-                self.text.hit_pages -= len(text)
                 break
             if src is not None:
                 keep.add(s.key)
@@ -405,6 +407,7 @@ class Scheduler:
         for s in batch:
             self.waiting.remove(s)
             cached = s.start if (s.text_keys or (s.source is not None and s.source.hit)) else 0
+            self.text.hit_pages += len(s.text_keys)
             self.outbox.prefill(s.handle, s.prompt_end,
                                 None if s.source is None else s.source.hit, cached)
             s.row = self.free_rows.pop()

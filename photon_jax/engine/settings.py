@@ -17,6 +17,11 @@ SHAPES = ("json_schema", "regex", "choices")
 KNOWN = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "repeat_stop",
          "stop") + SHAPES
 MAX_STOPS = 4   # OpenAI's bound
+MAX_STOP_CHARS = 256   # each: the stream's hold-back check is quadratic in it
+# A shape's spec as canonical JSON: llguidance bounds the grammar it builds (500k symbols),
+# but compiling one that large takes ~0.2 s and its per-token masks up to ~25 ms a row
+# (measured: a 100-branch anyOf of 30-property objects); this keeps both well below.
+MAX_SHAPE_BYTES = 64 << 10
 
 
 class SettingsError(ValueError):
@@ -99,9 +104,10 @@ def parse(settings: dict | None) -> Settings:
 def _stops(v) -> tuple:
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, (list, tuple)) or not 1 <= len(stops) <= MAX_STOPS or not all(
-            isinstance(x, str) and x for x in stops):
-        raise SettingsError(f"settings['stop'] must be a non-empty string or a list of 1 to "
-                            f"{MAX_STOPS} of them, got {v!r}")
+            isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stops):
+        raise SettingsError(f"settings['stop'] must be a string of 1 to {MAX_STOP_CHARS} "
+                            f"characters or a list of 1 to {MAX_STOPS} of them, got "
+                            f"{str(v)[:80]!r}")
     return tuple(stops)
 
 
@@ -130,4 +136,9 @@ def _shape(s: dict) -> tuple | None:
                           separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as e:
         raise SettingsError(f"settings[{kind!r}] is not plain JSON: {e}") from None
+    except RecursionError:
+        raise SettingsError(f"settings[{kind!r}] is nested too deeply") from None
+    if len(spec) > MAX_SHAPE_BYTES:
+        raise SettingsError(f"settings[{kind!r}] is {len(spec)} bytes as JSON, more than "
+                            f"{MAX_SHAPE_BYTES}; send a smaller shape")
     return kind, spec

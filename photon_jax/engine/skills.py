@@ -111,7 +111,9 @@ class TextSkill:
         if self.shape is not None:
             self.shape.consume(token)
         self.ids.append(token)
-        if self._release(self.streamer.push(token), self.streamer.pending()):
+        piece = self.streamer.push(token)
+        # The unreleased tail is decoded again only when a stop string could hide in it.
+        if self._release(piece, self.streamer.pending() if self.stop else ""):
             return "stop"
         if self.repeat_stop and repeats(self.ids, self.repeat_stop):
             return "repeat"

@@ -206,6 +206,17 @@ class Server:
                       f"{self.config.limits.max_spatial_refs}; send fewer", "spatial_refs")
         return refs
 
+    async def _settings(self, md, settings, param: str | None = "settings") -> None:
+        """Check settings and compile their output shape on the intake's pool: a large
+        schema compiles for up to ~0.2 s, which must not hold the event loop."""
+        if not settings:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.intake.pool,
+                                                             md.check_settings, settings)
+        except (ValueError, RequestError) as e:
+            raise bad(str(e), param) from None
+
     async def _image(self, md, url, param: str, held: list):
         prep, res = await self.intake.image(md, url, param, self.config.allow_remote_images)
         held.append(res)
@@ -402,6 +413,7 @@ class Server:
         stream = f.take("stream", bool, False, what="true or false")
         settings = check_settings(f.take("settings", dict, what="an object"),
                                   md.engine.max_context)
+        await self._settings(md, settings)
         url = f.take("image_url", str, required=route != "query",
                      what="a data:image/...;base64,... URI")
         if route == "query":
@@ -466,6 +478,7 @@ class Server:
         held = []
         try:
             c = parse_chat(body, md.engine.max_context)
+            await self._settings(md, c["settings"], None)
             cap = self.config.limits.max_text_chars
             if c["text_chars"] > cap:
                 raise bad(f"chat/completions: the messages' text has {c['text_chars']} "

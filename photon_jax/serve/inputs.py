@@ -148,6 +148,9 @@ def parse_chat(body: dict, max_context: int) -> dict:
     if not isinstance(msgs, list) or not msgs:
         raise bad("chat/completions: 'messages' must be a non-empty list of {role, content}",
                    "messages")
+    if len(msgs) > max_context:   # every turn renders at least one token
+        raise bad(f"chat/completions: {len(msgs)} messages cannot fit the model's context of "
+                   f"{max_context} tokens; send a shorter conversation", "messages")
     images, chars = [], 0
     for n, msg in enumerate(msgs):
         if not isinstance(msg, dict):
