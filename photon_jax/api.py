@@ -34,6 +34,7 @@ import jax
 from tqdm.auto import tqdm
 
 from . import aio, sources
+from .convert import adapters as adapters_mod
 from .engine import compile_cache as compile_cache_mod, kvpool, memory
 from .engine.core import Engine
 from .engine.frontend import EncodedImage, PreparedImage, prepare_image
@@ -93,7 +94,9 @@ class Moondream:
              prefix_cache: bool = True, device=None, workers: int = 2,
              compile_cache: bool = True, warmup: bool = False,
              attention: str | None = None, kv_dtype: str | None = None, mesh=None,
-             tensor_parallel: int | None = None, weights: str | None = None) -> "Moondream":
+             tensor_parallel: int | None = None, weights: str | None = None,
+             adapters: dict | None = None, max_adapters: int | None = None,
+             max_lora_rank: int = 16) -> "Moondream":
         """Load a model and start its engine.  `path`: a directory written by
         `photon-convert`, a Hugging Face snapshot directory (config.json + model.safetensors
         or a sharded index), or a hub id such as "vikhyatk/moondream2" (`revision`: a branch,
@@ -139,9 +142,23 @@ class Moondream:
             converted with `photon-convert --weights`, or a published quantized one, is
             already quantized).  Results differ slightly from the float weights
             (docs/quantization.md gives the measured agreement).
+        adapters: {name: path} of LoRA adapters (finetune variants: a `final.pt` as the
+            reference downloads it, or a .safetensors file with its names), checked and
+            loaded now; requests pick one with settings={"variant": name}.  A variant id
+            not loaded is looked up in the reference's cache folder (`md_variants/<id>/
+            final.pt`) and downloaded where the reference would download it.
+        max_adapters: adapter slots on the device, one per adapter in use at a time (None:
+            4 if `adapters` is given, else 0: programs without adapter products).
+        max_lora_rank: the largest adapter rank a slot holds (smaller ones are padded).
         Nothing is downloaded but a hub id's files missing from the Hugging Face cache (and
-        the starmie tokenizer, when the snapshot lacks it), unless HF_HUB_OFFLINE is set.
+        the starmie tokenizer, when the snapshot lacks it) and variants named by requests,
+        unless HF_HUB_OFFLINE is set.
         """
+        if max_adapters is None:
+            max_adapters = max(4, len(adapters)) if adapters else 0
+        if adapters is not None and not isinstance(adapters, dict):
+            raise TypeError(f"adapters must be a dict name -> path, got "
+                            f"{type(adapters).__name__}")
         Weights.of(weights)   # a bad value is refused before anything loads
         if tensor_parallel is not None:
             if mesh is not None:
@@ -173,10 +190,20 @@ class Moondream:
 
         model = Model.load(os.fspath(path), dtype=dtype, device=device, attention=attention,
                            mesh=mesh, weights=weights, preflight=preflight)
+        registry = {}
+        try:
+            for name, p in (adapters or {}).items():
+                registry[name] = adapters_mod.read_adapter(p, model.cfg, name=name,
+                                                           max_rank=max_lora_rank)
+        except BaseException:
+            for leaf in jax.tree.leaves(model.params):
+                leaf.delete()
+            raise
         engine = Engine(model, max_batch_size=max_batch_size, max_context=max_context,
                         kv_cache_tokens=kv_cache_tokens, prefix_cache=prefix_cache,
                         pipelined=pipelined, workers=workers, warmup=warmup,
-                        kv_dtype=kv_dtype)
+                        kv_dtype=kv_dtype, max_adapters=max_adapters,
+                        max_lora_rank=max_lora_rank, adapters=registry)
         if warmup:
             try:
                 engine.wait_warm()
@@ -288,7 +315,7 @@ class Moondream:
             make = self._caption_maker(length, settings)
         else:
             _check_strings(question, "question")
-            make = self._query_maker(parse(settings), False, None)
+            make = self._query_maker(self._parse(settings), False, None)
         if image is None:
             raise ValueError(NEED_IMAGE)
         return self.engine.submit(make(image, question))
@@ -326,7 +353,7 @@ class Moondream:
                 {"answer": r["text"]}
 
         return self._submit(image, questions, stream,
-                            self._query_maker(parse(settings), reasoning, spatial_refs), shape,
+                            self._query_maker(self._parse(settings), reasoning, spatial_refs), shape,
                             key="answer", optional_image=True, return_metrics=return_metrics)
 
     def detect(self, image: ImageLike | list[ImageLike], object: str | list[str], *,
@@ -385,7 +412,7 @@ class Moondream:
         if not self.can_segment:
             raise ValueError(f"segment needs a Moondream 3 model; this checkpoint is "
                              f"{m.cfg.family}")
-        s = parse(settings)
+        s = self._parse(settings)
         objs = _check_strings(object, "object")
         spatial, region = ((), None)
         if spatial_refs is not None:
@@ -397,12 +424,43 @@ class Moondream:
                             lambda r: {"path": r["path"], "bbox": r["bbox"]},
                             return_metrics=return_metrics)
 
+    def load_adapter(self, name: str, path) -> None:
+        """Load a LoRA adapter (a `final.pt` or .safetensors file) under `name`, checked
+        against the model first (a bad one is refused by name and changes nothing).  It
+        takes a device slot when a request first uses it: no program is compiled again.
+        Loading another file under a loaded name replaces it for new requests."""
+        engine = self.engine
+        if not engine.max_adapters:
+            raise ValueError("this model was loaded without adapter slots; load it with "
+                             "max_adapters > 0 (or adapters={...})")
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise ValueError(f"adapter name must be a non-empty string of at most 256 "
+                             f"characters, got {str(name)[:80]!r}")
+        engine.adapters[name] = adapters_mod.read_adapter(
+            path, self._m.cfg, name=name, max_rank=engine.max_lora_rank)
+
+    @property
+    def adapters(self) -> list:
+        """The names of the loaded adapters."""
+        return sorted(self.engine.adapters)
+
+    def _parse(self, settings):
+        """Parse a call's settings; a variant not loaded yet is loaded from the reference's
+        variant cache (downloaded as the reference would, unless offline)."""
+        s = parse(settings)
+        v = s.variant
+        if v is not None:
+            if v not in self.engine.adapters and self.engine.max_adapters:
+                self.load_adapter(v, adapters_mod.variant_path(v))
+            self.engine.adapter(v)   # refused here, by name, when it cannot run
+        return s
+
     def check_settings(self, settings: dict | None) -> None:
         """Check `settings` now and compile their output shape (json_schema / regex /
         choices) into the engine's cache, so that a bad one raises here, by name
         (`SettingsError`, `RequestError`).  Calls do this themselves; the server calls it
         on a worker thread, keeping a large schema's compile off its event loop."""
-        s = parse(settings)
+        s = self._parse(settings)
         if s.shape is not None:
             self.engine.grammars.matcher(*s.shape)
 
@@ -449,7 +507,7 @@ class Moondream:
             reasoning = True
         if not isinstance(reasoning, bool):
             raise ValueError(f"reasoning must be True, False or None, got {reasoning!r}")
-        s = parse(settings)
+        s = self._parse(settings)
         turns = parse_messages(messages, _chat_image)
         c = render(turns, family=m.cfg.family, query_prefix=m.cfg.tokenizer.query_prefix,
                    encode=m.prompts.encode, reasoning=reasoning)
@@ -476,7 +534,7 @@ class Moondream:
     # -- plumbing -----------------------------------------------------------------------
 
     def _caption_maker(self, length: str, settings):
-        s = parse(settings)
+        s = self._parse(settings)
         prompt = self._m.prompts.caption(length)  # validates `length` before any work
         return lambda img, _: Request("text", prompt, img, s)
 
@@ -501,7 +559,7 @@ class Moondream:
 
     def _locate(self, skill: str, key: str, image, obj, settings, return_metrics) -> "_Call":
         """detect / point: the same request shape, differing in prompt and result key."""
-        s = parse(settings)
+        s = self._parse(settings)
         objs = _check_strings(obj, "object")
         prompt = getattr(self._m.prompts, skill)
         return self._submit(image, objs, False,

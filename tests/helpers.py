@@ -604,3 +604,31 @@ def full_forward(cfg, params, x_TD, prefix):
                                 cache, text.DenseAccess(jnp.zeros(1, jnp.int32),
                                                         jnp.full(1, prefix), t))
     return hidden[0]
+
+
+# -- LoRA adapters ---------------------------------------------------------------------------
+
+LORA_DIR = os.path.join(HERE, "fixtures", "lora")
+
+
+def lora_tensors(rank: int, seed: int, *, dim=64, ff=256, qkv=192, layers=2,
+                 b_scale=0.5) -> dict:
+    """A random Moondream 2 adapter for the tiny fixture (its shapes by default) under the
+    reference's renamed names (`text.blocks.<i>.attn.qkv.A`, ...), float32."""
+    dims = {"attn.qkv": (dim, qkv), "attn.proj": (dim, dim), "mlp.fc1": (dim, ff),
+            "mlp.fc2": (ff, dim)}
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in range(layers):
+        for t, (ind, outd) in dims.items():
+            out[f"text.blocks.{i}.{t}.A"] = (rng.standard_normal((rank, ind))
+                                             / np.sqrt(ind)).astype(np.float32)
+            out[f"text.blocks.{i}.{t}.B"] = (rng.standard_normal((outd, rank))
+                                             * b_scale / np.sqrt(rank)).astype(np.float32)
+    return out
+
+
+def write_lora(path, rank: int, seed: int, **kw) -> str:
+    """`lora_tensors` as a .safetensors file at `path` -> path."""
+    write_safetensors(path, lora_tensors(rank, seed, **kw))
+    return str(path)

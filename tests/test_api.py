@@ -11,6 +11,7 @@ from PIL import Image
 
 from photon_jax import Moondream
 from photon_jax.api import BatchError
+from photon_jax.engine.request import RequestError
 from photon_jax.engine.settings import SettingsError
 from photon_jax.model.checkpoint import CheckpointError
 from photon_jax.model.pixels import ImageError, load_image
@@ -138,8 +139,10 @@ def test_bad_settings(md, settings, match):
         md.caption(LAND, settings=settings)
 
 
-def test_variant_setting_is_ignored_with_warning(md):
-    with pytest.warns(UserWarning, match="variant"):
+def test_a_variant_without_adapter_slots_is_refused_by_name(md):
+    """A model loaded without adapters has no slots: a variant is refused before anything
+    runs (tests/test_lora.py covers adapters)."""
+    with pytest.raises(RequestError, match="variant 'abc'.*no adapter slots"):
         md.caption(LAND, "short", settings={"variant": "abc", **GREEDY})
 
 

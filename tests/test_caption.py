@@ -545,7 +545,7 @@ def test_photon_caption_and_photon_serve_share_one_set_of_engine_flags():
     engine = {"--model", "--revision", "--dtype", "--batch-size", "--max-context",
               "--kv-cache-tokens", "--kv-dtype", "--weights", "--tensor-parallel", "--workers",
               "--prefix-cache", "--no-prefix-cache", "--compile-cache", "--no-compile-cache",
-              "--warmup", "--no-warmup"}
+              "--warmup", "--no-warmup", "--adapter", "--max-adapters", "--max-lora-rank"}
     for ap in (cap, srv):
         assert engine <= {o for a in ap._actions for o in a.option_strings}
     c = cap.parse_intermixed_args(["img.png", "--model", "m"])
@@ -559,7 +559,14 @@ def test_photon_caption_and_photon_serve_share_one_set_of_engine_flags():
     assert flags.engine_options(s) == dict(
         dtype=None, max_batch_size=3, max_context=None, kv_cache_tokens=None,
         kv_dtype="int8", weights=None, prefix_cache=False, compile_cache=False, warmup=False,
-        workers=s.workers)
+        workers=s.workers, adapters=None, max_adapters=None, max_lora_rank=16)
+    s = srv.parse_args(["--model", "m", "--adapter", "a=x.pt", "--adapter", "b@1=y.pt",
+                        "--max-adapters", "2", "--max-lora-rank", "64"])
+    assert {k: flags.engine_options(s)[k] for k in ("adapters", "max_adapters",
+                                                     "max_lora_rank")} == \
+        {"adapters": {"a": "x.pt", "b@1": "y.pt"}, "max_adapters": 2, "max_lora_rank": 64}
+    assert "NAME=PATH" in flags.engine_flag_error(srv.parse_args(["--model", "m",
+                                                                  "--adapter", "x.pt"]))
     for argv, flag in ((["--workers", "0"], "--workers"), (["--batch-size", "0"], "--batch-size"),
                        (["--tensor-parallel", "0"], "--tensor-parallel")):
         assert flag in flags.engine_flag_error(srv.parse_args(["--model", "m", *argv]))

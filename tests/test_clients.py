@@ -35,13 +35,13 @@ from photon_jax import Moondream
 from photon_jax.serve.app import ServeConfig, create_app
 from photon_jax.serve.compat import SETTINGS_ALIASES, normalize
 
-from helpers import FIXTURE_DIR, HERE
+from helpers import FIXTURE_DIR, HERE, LORA_DIR
 
 LAND = os.path.join(FIXTURE_DIR, "img_land800x600.png")
 SQ = os.path.join(FIXTURE_DIR, "img_sq378.png")
 KEY = "client-key-5678"
 S = {"temperature": 0, "max_tokens": 10}
-VARIANT = "moondream3-preview/ft-abc@2"   # any adapter id: this server has none
+VARIANT = "moondream3-preview/ft-abc@2"   # an adapter id, loaded by `servers` under this name
 
 NODE_PACKAGE = os.path.join(HERE, "clients", "package.json")
 NODE_SCRIPT = os.path.join(HERE, "clients", "moondream_node.mjs")
@@ -88,7 +88,9 @@ class Live:
 def servers(tiny_ckpt):
     """One model behind two servers: `keyed` (requires KEY) and `open` (no key, as a
     Moondream Station is)."""
-    with Moondream.load(tiny_ckpt, max_batch_size=8) as md:
+    with Moondream.load(tiny_ckpt, max_batch_size=8, max_lora_rank=4,
+                        adapters={VARIANT: os.path.join(LORA_DIR, "ft-alpha@100",
+                                                        "final.pt")}) as md:
         keyed = Live(md, api_key=KEY, model_name="tiny")
         open_ = Live(md, model_name="tiny")
         try:
@@ -316,8 +318,9 @@ def test_node_client_equals_the_api(node_client, servers):
 
 
 def test_node_client_variant_and_camel_case_settings(node_client, servers):
-    """The same calls with a `variant` (dropped by the server with a warning) and camelCase
-    settings (which the client itself drops on these routes) answer as without them."""
+    """The same calls with a `variant` (a LoRA adapter the server loaded under that id) and
+    camelCase settings (which the client itself drops on these routes) answer as the API
+    with that variant."""
     md = servers.md
     extra = {"image": True, "variant": VARIANT, "settings": {"maxTokens": 10, "maxObjects": 3}}
     calls = [
@@ -330,11 +333,14 @@ def test_node_client_variant_and_camel_case_settings(node_client, servers):
     out = run_node(node_client, servers.keyed.url, calls, api_key=KEY)
     jpeg = jpeg_of(out["imageUrl"])
     got = values(out)
-    assert got[0] == md.caption(jpeg, "short")
-    assert "".join(got[1]["caption"]) == md.caption(jpeg)["caption"]
-    assert got[2] == md.query(jpeg, "What is this?")
-    assert got[3] == md.detect(jpeg, "w42")
-    assert got[4] == md.point(jpeg, "w42")
+    v = {"variant": VARIANT}
+    assert got[0] == md.caption(jpeg, "short", settings=v)
+    assert "".join(got[1]["caption"]) == md.caption(jpeg, settings=v)["caption"]
+    assert got[2] == md.query(jpeg, "What is this?", settings=v)
+    assert got[3] == md.detect(jpeg, "w42", settings=v)
+    assert got[4] == md.point(jpeg, "w42", settings=v)
+    # ... and the adapter made a difference
+    assert got[0] != md.caption(jpeg, "short") or got[2] != md.query(jpeg, "What is this?")
 
 
 def test_node_client_auth(node_client, servers):
@@ -350,8 +356,8 @@ def test_node_client_auth(node_client, servers):
 
 def test_node_client_segment_settings(node_client, servers):
     """segment is where the Node client sends its settings, camelCase as typed: they reach
-    the model as the server's keys (the engine refuses any other), and `variant` does not
-    reach it at all.  The fixture model is a Moondream 2, so it stands in for a Moondream 3
+    the model as the server's keys (the engine refuses any other), with the top-level
+    `variant` among them.  The fixture model is a Moondream 2, so it stands in for a Moondream 3
     here: every attribute the server uses is the real model's, and `_segment` runs a short
     caption under the settings it was given, its text as the path (the segment skill itself
     is test_md3_engine's; compiling a Moondream 3 here would double this file's time)."""
@@ -381,7 +387,7 @@ def test_node_client_segment_settings(node_client, servers):
             {"method": "segment", "request": req},
             {"method": "segment", "request": {**req, "stream": True}}])
         got = values(out)
-        canonical = {"max_tokens": 7, "top_p": 0.9, "temperature": 0}
+        canonical = {"max_tokens": 7, "top_p": 0.9, "temperature": 0, "variant": VARIANT}
         assert seen == [("w42", [[0.5, 0.5]], canonical)] * 2
         path = servers.md.caption(jpeg_of(out["imageUrl"]), "short", settings=canonical)
         assert got[0] == {"path": path["caption"], "bbox": BOX}
@@ -548,12 +554,40 @@ def test_openai_models(servers):
     this server does not run is the SDK's NotFoundError."""
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=servers.keyed.url + "/v1", api_key=KEY, max_retries=0)
-    assert [m.id for m in client.models.list()] == ["tiny"]
+    # the model, then its loaded LoRA adapter as "<model>@<adapter>"
+    assert [m.id for m in client.models.list()] == ["tiny", f"tiny@{VARIANT}"]
     m = client.models.retrieve("tiny")
     assert (m.id, m.object) == ("tiny", "model")
     assert isinstance(m.created, int) and isinstance(m.owned_by, str)
+    assert client.models.retrieve(f"tiny@{VARIANT}").id == f"tiny@{VARIANT}"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("tiny@not-loaded")
+
+
+def test_openai_model_field_selects_a_loaded_adapter(servers):
+    """model="<model>@<adapter>" (or the adapter's own name) answers as the API with that
+    variant; an adapter the server has not loaded is a 400 naming it."""
+    openai = pytest.importorskip("openai")
+    md = servers.md
+    client = openai.OpenAI(base_url=servers.keyed.url + "/v1", api_key=KEY, max_retries=0)
+    msgs = [{"role": "user", "content": "w100 w200"}]
+    want = md.chat(msgs, reasoning=False, settings={**S, "variant": VARIANT})
+    base = md.chat(msgs, reasoning=False, settings=S)
+    assert want["message"]["content"] != base["message"]["content"]
+    for name in (f"tiny@{VARIANT}", VARIANT):
+        out = client.chat.completions.create(model=name, messages=msgs, temperature=0,
+                                             max_completion_tokens=10,
+                                             extra_body={"reasoning": False})
+        assert out.choices[0].message.content == want["message"]["content"]
+        assert out.model == f"tiny@{VARIANT}"
+    out = client.chat.completions.create(model="gpt-4o", messages=msgs, temperature=0,
+                                         max_completion_tokens=10,
+                                         extra_body={"reasoning": False})
+    assert out.choices[0].message.content == base["message"]["content"]
+    with pytest.raises(openai.BadRequestError, match="not-loaded"):
+        client.chat.completions.create(model="tiny@not-loaded", messages=msgs)
 
 
 def test_openai_retrieves_a_model_id_with_a_slash(servers):
@@ -599,14 +633,17 @@ def test_normalize_both_spellings():
     assert msg.startswith("query:")
 
 
-def test_normalize_drops_variant_with_a_warning():
+def test_normalize_moves_variant_into_the_settings():
     body = {"image_url": "data:...", "question": "Q?", "variant": VARIANT}
     out, warnings = normalize(body, "query")
-    assert out == {"image_url": "data:...", "question": "Q?"} and "variant" in body
-    [w] = warnings
-    assert w.startswith(f"variant {VARIANT!r} ignored: this server has no adapters")
+    assert out == {"image_url": "data:...", "question": "Q?",
+                   "settings": {"variant": VARIANT}} and "variant" in body and not warnings
+    out, _ = normalize({**body, "settings": {"maxTokens": 3}}, "query")
+    assert out["settings"] == {"max_tokens": 3, "variant": VARIANT}
     for empty in (None, ""):
         assert normalize({"variant": empty}, "caption") == ({}, [])
+    with pytest.raises(ValueError, match="differ"):
+        normalize({**body, "settings": {"variant": "other"}}, "query")
 
 
 def test_normalize_leaves_everything_else():

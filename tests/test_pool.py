@@ -85,8 +85,9 @@ def test_decode_metadata_names_each_page_of_each_row():
     arenas = M.Arenas.geometric(20, 4)
     assert arenas.sizes == (5, 4, 8, 3) and arenas.covering(8) == 2 and arenas.covering(9) == 3
     tables = [[3, 9], [5]]
-    meta, pages, n = M.pack_decode([2, 1], [70, 10], tables, 4, 3, 64, arenas)
+    meta, pages, n = M.pack_decode([2, 1], [70, 10], tables, 4, 3, 64, arenas, adapters=[0, 3])
     assert n == 3 and pages.shape == (2, 17)
+    assert meta[M.M_ADAPTER].tolist() == [0, 3, 0, 0]   # each row's LoRA slot
     assert meta[M.M_ROW].tolist() == [2, 1, 0, 0] and meta[M.M_POS].tolist() == [70, 10, 0, 0]
     assert meta[M.M_PAGE].tolist() == [9, 5, 0, 0] and meta[M.M_OFF].tolist() == [6, 10, 0, 0]
     assert meta[M.M_TABLE:, 0].tolist() == [3, 9, 0] and meta[M.M_TABLE:, 2].tolist() == [0] * 3
@@ -94,8 +95,8 @@ def test_decode_metadata_names_each_page_of_each_row():
     assert (owner[3], count[3], owner[9], count[9], owner[5], count[5]) == (0, 64, 0, 7, 1, 11)
     assert all(owner[p] == 4 and count[p] == 0 for p in range(17) if p not in (3, 9, 5))
     pre, write, table = M.pack_prefill([1], [730], [730], [3], [list(range(1, 14))], 2, 16,
-                                       768, 64)
-    assert pre[:, 0].tolist() == [1, 730, 730, 2] and pre[:, 1].tolist() == [0, 0, 0, 0]
+                                       768, 64, adapters=[5])
+    assert pre[:, 0].tolist() == [1, 730, 730, 2, 5] and pre[:, 1].tolist() == [0] * 5
     assert write[0, 0, :4].tolist() == [12, 12, 12, 0] and write[1, 0, :3].tolist() == [26, 27,
                                                                                          28]
     assert table.shape == (2, 12) and table[0].tolist() == list(range(1, 13))

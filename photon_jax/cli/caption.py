@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     ap.add_argument("--repeat-stop", type=int, default=None, metavar="K",
                     help="end a caption whose tail repeats one phrase K times (off if unset)")
+    ap.add_argument("--variant", default=None, metavar="NAME",
+                    help="caption with this LoRA adapter (one loaded with --adapter "
+                         "NAME=PATH, or a variant id found in the reference's md_variants "
+                         "cache folder)")
     ap.add_argument("--prepend", default="", help="text put before every caption")
     ap.add_argument("--append", default="", help="text put after every caption")
     ap.add_argument("--no-sidecar", action="store_true",
@@ -78,6 +82,10 @@ def run(args: argparse.Namespace) -> job.Summary:
     model."""
     if (msg := engine_flag_error(args)) is not None:
         raise UsageError(msg)
+    if args.variant and args.max_adapters == 0:
+        raise UsageError("--variant needs adapter slots; drop --max-adapters 0")
+    if args.variant and args.max_adapters is None:
+        args.max_adapters = 4   # a variant id from the cache folder needs a slot
     return job.run(args, engine_options(args))
 
 

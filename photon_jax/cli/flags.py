@@ -61,6 +61,16 @@ def add_engine_flags(ap: argparse.ArgumentParser, *, warmup: bool,
                    help="compile every decode shape, the sampling variants and the common "
                         "prefill shapes before the first request (steady speed from the "
                         "start; cheap with a warm compile cache)")
+    g.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="load a LoRA adapter (a finetune variant's final.pt, or a "
+                        ".safetensors file with its names) under NAME; repeat for more.  "
+                        "Requests select one with the variant setting")
+    g.add_argument("--max-adapters", type=int, default=None, metavar="N",
+                   help="adapter slots on the device: adapters in use at one time (default: "
+                        "4 when --adapter is given, else 0: no adapter products in the "
+                        "programs; a variant id not loaded is then refused)")
+    g.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
+                   help="the largest adapter rank the slots hold (default 16)")
 
 
 def engine_flag_error(args: argparse.Namespace) -> str | None:
@@ -69,10 +79,22 @@ def engine_flag_error(args: argparse.Namespace) -> str | None:
     for flag, v in (("--batch-size", args.batch_size), ("--workers", args.workers),
                     ("--tensor-parallel", args.tensor_parallel),
                     ("--kv-cache-tokens", args.kv_cache_tokens),
-                    ("--max-context", args.max_context)):
+                    ("--max-context", args.max_context),
+                    ("--max-lora-rank", args.max_lora_rank)):
         if v is not None and v < 1:
             return f"{flag} must be >= 1, got {v}"
+    if args.max_adapters is not None and args.max_adapters < 0:
+        return f"--max-adapters must be >= 0, got {args.max_adapters}"
+    for a in args.adapter:
+        name, eq, path = a.partition("=")
+        if not eq or not name or not path:
+            return f"--adapter {a!r}: give NAME=PATH"
     return None
+
+
+def adapter_paths(args: argparse.Namespace) -> dict | None:
+    """--adapter NAME=PATH flags as `Moondream.load`'s `adapters` (None: none given)."""
+    return dict(a.partition("=")[::2] for a in args.adapter) or None
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -81,4 +103,6 @@ def engine_options(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, max_batch_size=args.batch_size,
                 max_context=args.max_context, kv_cache_tokens=args.kv_cache_tokens,
                 kv_dtype=args.kv_dtype, weights=args.weights, prefix_cache=args.prefix_cache,
-                compile_cache=args.compile_cache, warmup=args.warmup, workers=args.workers)
+                compile_cache=args.compile_cache, warmup=args.warmup, workers=args.workers,
+                adapters=adapter_paths(args), max_adapters=args.max_adapters,
+                max_lora_rank=args.max_lora_rank)

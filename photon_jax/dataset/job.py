@@ -56,6 +56,8 @@ def request_settings(args) -> dict:
          "top_p": args.top_p, "seed": args.seed}
     if args.repeat_stop:
         s["repeat_stop"] = args.repeat_stop
+    if getattr(args, "variant", None):
+        s["variant"] = args.variant
     return s
 
 

@@ -46,6 +46,7 @@ import jax
 import numpy as np
 import PIL.Image
 
+from ..model import lora
 from ..model.loaded import Model
 from ..model.pixels import pil_pixels
 from ..model.tokenizer import region_inputs
@@ -54,8 +55,8 @@ from .frontend import EncodedImage, ImagePrefix, PreparedImage
 from .inflight import PipelineState
 from .pages import pages_for
 from .request import EngineError, Handle, Request, RequestError
-from .scheduler import Outbox, Scheduler, Seq
-from .stepmeta import pack_decode, pack_prefill
+from .scheduler import Outbox, Scheduler, Seq, adapter_key
+from .stepmeta import M_TABLE, pack_decode, pack_prefill
 
 _I32 = np.int32
 
@@ -97,8 +98,24 @@ class Engine:
                  prefill_tokens: int = 2048, workers: int = 2, log_steps: int = 100_000,
                  record_events: bool = False, warmup: bool = False,
                  prefill_drains: bool = False, host_work_ms: float = 0.0,
-                 kv_dtype: str | None = None, programs: step_mod.EnginePrograms | None = None):
+                 kv_dtype: str | None = None, programs: step_mod.EnginePrograms | None = None,
+                 max_adapters: int = 0, max_lora_rank: int = 16, adapters: dict | None = None):
         cfg = model.cfg
+        if not isinstance(max_adapters, int) or isinstance(max_adapters, bool) or \
+                not 0 <= max_adapters <= 256:
+            raise ValueError(f"max_adapters must be an int in [0, 256], got {max_adapters!r}")
+        if not isinstance(max_lora_rank, int) or isinstance(max_lora_rank, bool) or \
+                not 1 <= max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be an int in [1, 512], got {max_lora_rank!r}")
+        if max_adapters and lora.supported(cfg) is not None:
+            raise ValueError(f"max_adapters={max_adapters}: {lora.supported(cfg)}")
+        if max_adapters and model.tp is not None:
+            raise ValueError("LoRA adapters over a tensor-parallel mesh are not supported; "
+                             "serve adapters on one chip (max_adapters=0 on a mesh)")
+        # The LoRA adapters requests may name (name -> `convert.adapters.Adapter`; the face
+        # that loads them shares this dict) and the slots that hold them on the device.
+        self.max_adapters, self.max_lora_rank = max_adapters, max_lora_rank
+        self.adapters = adapters if adapters is not None else {}
         # The pool's format: None (the model's dtype) or 8-bit codes + scales (`kvpool`).
         self.kv_dtype = kvpool.canonical_kv_dtype(kv_dtype, cfg.dtype)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -126,7 +143,9 @@ class Engine:
                         max_context=ctx, page_size=page_size, kv_cache_tokens=kv_cache_tokens,
                         free=memory.device_free(self.device), weights_loaded=True,
                         kv_dtype=self.kv_dtype, prefill_tokens=prefill_tokens,
-                        mesh_size=1 if model.tp is None else model.tp.n),
+                        mesh_size=1 if model.tp is None else model.tp.n,
+                        adapter_bytes=lora.table_bytes(cfg, max_adapters, max_lora_rank)
+                        if max_adapters else 0),
             cfg, max_context=ctx, weights_loaded=True)
         self.page_size, self.arenas = page_size, self.plan.arenas
         self.sweep = plat.sweeps   # page owners uploaded per step
@@ -136,6 +155,12 @@ class Engine:
                                              max_batch_size=max_batch_size, device=self.device,
                                              kv_dtype=self.kv_dtype, tp=model.tp,
                                              pack=plat.pack)
+        # Slot tables of the adapters (slot 0: none); None compiles programs without them.
+        self.lora = None
+        if max_adapters:
+            with jax.default_device(self.device):
+                self.lora = jax.device_put(lora.init_tables(cfg, max_adapters, max_lora_rank),
+                                           self.device)
         self.sched = Scheduler(max_batch_size=max_batch_size, n_pages=self.arenas.n_pages,
                                page_size=page_size, prefix_len=cfg.prefix_len,
                                prefill_tokens=prefill_tokens, prefix_cache=prefix_cache,
@@ -143,7 +168,8 @@ class Engine:
                                prefill_cost=lambda rows, longest: (
                                    step_mod.prefill_row_bucket(rows, max_batch_size)
                                    * step_mod.prompt_bucket(longest)),
-                               spatial_ids=(cfg.tokenizer.coord_id, cfg.tokenizer.size_id))
+                               spatial_ids=(cfg.tokenizer.coord_id, cfg.tokenizer.size_id),
+                               adapter_slots=max_adapters)
         self.pipe = PipelineState()
         # Output shapes: compiled against this model's tokenizer on first use, then cached.
         self.grammars = grammar.Grammars(model.prompts.tok, cfg.text.vocab_size,
@@ -282,6 +308,8 @@ class Engine:
             on_reasoning=functools.partial(self.sched.outbox.reasoning, h), shape=shape)
         seq = Seq(h, base, p_end, skill)
         h.id = seq.id
+        if req.settings.variant is not None:
+            seq.adapter = self.adapter(req.settings.variant)
         seq.need_pages = self.sched.budget_pages(seq, self.max_context)
         if seq.need_pages > self.sched.alloc.usable:
             raise RequestError(
@@ -302,7 +330,7 @@ class Engine:
                 raise RequestError("this EncodedImage was released; encode the image again")
             seq.key, seq.encoded = img.key, True
         if isinstance(img, PreparedImage):
-            seq.key = img.key
+            seq.key = adapter_key(img.key, seq.adapter)
         if img is None or isinstance(img, (EncodedImage, PreparedImage, ImagePrefix)):
             seq.image, seq.ready = img, True
         else:
@@ -363,7 +391,7 @@ class Engine:
         Every row is the dummy row and page 0: nothing real is touched."""
         P, params = self.programs, self.model.params
         for rb in step_mod.row_buckets(self.max_batch_size):
-            meta = jax.device_put(np.zeros((4 + self.max_pages, rb), _I32), self.placement)
+            meta = jax.device_put(np.zeros((M_TABLE + self.max_pages, rb), _I32), self.placement)
             samp = np.zeros((step_mod.S_ALLOW + 1, rb), _I32)
             samp[step_mod.S_ALLOW] = -1
             samp = jax.device_put(samp, self.placement)
@@ -374,7 +402,8 @@ class Engine:
                     dev = self.dev
                     part, dev.slots[0] = P.forward(params, dev.pool.arenas(n), dev.slots[0],
                                                    dev.pending, meta,
-                                                   jax.device_put(pages, self.placement), splits)
+                                                   jax.device_put(pages, self.placement), splits,
+                                                   *self._lora_arg())
                     dev.pool = dev.pool.merge(part)
             for sampler in P.sample_step.values():
                 dev = self.dev
@@ -402,7 +431,7 @@ class Engine:
                     dev.pool, dev.slots[1] = P.prefill_slot(
                         params, dev.pool, dev.slots[1], put(z), put(z),
                         put(np.zeros((rb, tb, 2), np.float32)), put(pre), put(write),
-                        put(table))
+                        put(table), *self._lora_arg())
         zero = [0] * self.sched.prefix_pages
         copied = np.zeros(self.sched.prefix_pages - self.sched.shared_pages, _I32)
         if copied.size:
@@ -411,6 +440,11 @@ class Engine:
             prep = frontend.prepare_image(self.model, np.full((*hw, 3), 128, np.uint8))
             self._write_prefix(self._encode(prep), zero)
         jax.block_until_ready(self.dev.pool)
+
+    def _lora_arg(self) -> tuple:
+        """The slot tables as the programs' last argument (none without adapters: the
+        programs then compile without the adapter products)."""
+        return () if self.lora is None else (self.lora,)
 
     @property
     def arenas_count(self) -> int:
@@ -508,8 +542,34 @@ class Engine:
         pos = np.arange(self.cfg.prefix_len)
         return np.asarray(pages, _I32)[pos // self.page_size], (pos % self.page_size).astype(_I32)
 
-    def _encode(self, prep: PreparedImage) -> ImagePrefix:
-        return frontend.encode_prepared(self.programs.image_kv, self.model.params, prep)
+    def _encode(self, prep: PreparedImage, slot: int = 0) -> ImagePrefix:
+        extra = () if self.lora is None else (
+            self.lora, jax.device_put(np.full(1, slot, _I32), self.placement))
+        return frontend.encode_prepared(self.programs.image_kv, self.model.params, prep, *extra)
+
+    def adapter(self, name: str):
+        """The loaded adapter `name` (a request's settings["variant"]), refused by name."""
+        if not self.max_adapters:
+            raise RequestError(f"variant {name!r}: this engine has no adapter slots; load the "
+                               "model with max_adapters > 0 (--max-adapters)")
+        a = self.adapters.get(name)
+        if a is None:
+            raise RequestError(f"variant {name!r} is not loaded; loaded: "
+                               f"{sorted(self.adapters)[:20]} (load_adapter(name, path))")
+        return a
+
+    def _write_adapters(self, batch: list[Seq]) -> None:
+        """Write the adapters this launch reads into their slots (a device write between
+        steps: the slot tables are an argument of the programs, nothing recompiles)."""
+        slots = self.sched.adapters
+        for s in batch:
+            if slots.stale(s.adapter_slot):
+                # float32 on the host; the write casts to the tables' dtype on the device.
+                tables = s.adapter.padded(self.max_lora_rank, np.float32)
+                self.lora = self.programs.write_adapter(
+                    self.lora, jax.device_put(np.int32(s.adapter_slot), self.placement),
+                    jax.device_put(tables, self.placement))
+                slots.mark_written(s.adapter_slot)
 
     def _write_prefix(self, enc: ImagePrefix, pages: list[int]) -> None:
         page_s, off_s = self._prefix_slots(pages)
@@ -549,9 +609,11 @@ class Engine:
         pre, write, table = pack_prefill([s.row for s in batch], starts,
                                          [s.prefix for s in batch], lens,
                                          [s.pages for s in batch], rb, tb, kv_len,
-                                         self.page_size)
+                                         self.page_size, [s.adapter_slot for s in batch])
         put = lambda a: jax.device_put(a, self.placement)  # noqa: E731
         with hostsync.sync_free():
+            if self.lora is not None:
+                self._write_adapters(batch)
             for s in batch:
                 src, img = s.source, s.image
                 if src is not None and src.hit:
@@ -561,7 +623,7 @@ class Engine:
                     self._write_prefix(img, s.pages)
                 elif src is not None:   # a miss: encode once, into the new entry if any
                     self.sched.cache.count_miss()
-                    enc = self._encode(img)
+                    enc = self._encode(img, s.adapter_slot)
                     if src.entry is None:
                         self._write_prefix(enc, s.pages)
                     else:
@@ -572,7 +634,8 @@ class Engine:
             dev = self.dev
             dev.pool, dev.slots[slot] = P.prefill_slot(params, dev.pool, dev.slots[slot],
                                                        put(kinds), put(ids), put(values),
-                                                       meta_d, put(write), put(table))
+                                                       meta_d, put(write), put(table),
+                                                       *self._lora_arg())
         st = _InFlightStep("prefill", slot, batch, [0] * n, meta_d)
         st.t0, st.t_launch = t0, time.perf_counter() - t0
         self.pipe.on_launch(st)
@@ -584,7 +647,8 @@ class Engine:
         index = self.sched.grow(rows)   # each row's page of the position it writes
         meta, pages, n_arenas = pack_decode([s.row for s in rows], [s.length for s in rows],
                                             [s.pages for s in rows], rb, self.max_pages,
-                                            self.page_size, self.arenas, owners=self.sweep)
+                                            self.page_size, self.arenas, owners=self.sweep,
+                                            adapters=[s.adapter_slot for s in rows])
         # The GPU kernel's splits, from the real rows' attended lengths (position + 1): a
         # static variant of forward, all of them compiled at start (1 off the GPU kernel).
         splits = self.programs.decode_splits([s.length + 1 for s in rows], self.page_size,
@@ -594,7 +658,7 @@ class Engine:
             dev = self.dev
             part, dev.slots[slot] = self.programs.forward(
                 self.model.params, dev.pool.arenas(n_arenas), dev.slots[slot], dev.pending,
-                meta_d, jax.device_put(pages, self.placement), splits)
+                meta_d, jax.device_put(pages, self.placement), splits, *self._lora_arg())
             dev.pool = dev.pool.merge(part)
         self.sched.start_decode(rows)
         st = _InFlightStep("decode", slot, rows, index, meta_d)

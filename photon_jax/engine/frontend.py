@@ -80,12 +80,13 @@ def prepare_image(model, img, skip_crops_for: Container[bytes] = frozenset()) ->
     return PreparedImage(key, crops.tiling, put(crops.crops), put(src), put(ph), put(pw))
 
 
-def encode_prepared(image_kv, params, prep: PreparedImage) -> ImagePrefix:
+def encode_prepared(image_kv, params, prep: PreparedImage, *adapter) -> ImagePrefix:
     """Device only (asynchronous): vision encoder, projection and the image prefix KV, by
-    the caller's `image_kv` program (`step.EnginePrograms.image_kv`)."""
+    the caller's `image_kv` program (`step.EnginePrograms.image_kv`).  `adapter`: the LoRA
+    slot tables and the slot ([1] int32) the prefix is computed under, or nothing."""
     if not prep.has_crops:
         raise ValueError("this PreparedImage has no crops (its prefix was cached)")
-    k, v = image_kv(params, prep.crops, prep.src, prep.ph, prep.pw)
+    k, v = image_kv(params, prep.crops, prep.src, prep.ph, prep.pw, *adapter)
     return ImagePrefix(k, v, prep.tiling)
 
 

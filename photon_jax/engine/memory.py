@@ -214,10 +214,11 @@ class MemoryPlan:
     page_size: int
     arenas: Arenas
     mesh_size: int = 1        # chips of a tensor-parallel mesh: every figure is per chip
+    adapters: int = 0         # the LoRA adapter slots' tables (`lora.table_bytes`)
 
     @property
     def total(self) -> int:
-        return self.weights + self.pool + self.slots + self.workspace
+        return self.weights + self.pool + self.slots + self.workspace + self.adapters
 
     @property
     def n_pages(self) -> int:
@@ -227,7 +228,9 @@ class MemoryPlan:
         cap = "unknown" if self.capacity is None else gib(self.capacity)
         return (f"weights {gib(self.weights)} + KV pool {gib(self.pool)} "
                 f"({self.kv_cache_tokens} tokens) + slots {gib(self.slots)} + workspace "
-                f"{gib(self.workspace)} = {gib(self.total)}; device free {cap}"
+                f"{gib(self.workspace)}"
+                + (f" + adapter slots {gib(self.adapters)}" if self.adapters else "")
+                + f" = {gib(self.total)}; device free {cap}"
                 + (f" (per chip of a {self.mesh_size}-chip mesh)" if self.mesh_size > 1
                    else ""))
 
@@ -254,14 +257,15 @@ def plan(cfg: MoondreamConfig, *, platform, max_batch_size: int, max_context: in
          page_size: int, kv_cache_tokens: int | None = None, free: int | None = None,
          weights_loaded: bool = False, dtype=None, sweep: bool | None = None,
          kv_dtype: str | None = None, mesh_size: int = 1,
-         prefill_tokens: int = PREFILL_TOKENS) -> MemoryPlan:
+         prefill_tokens: int = PREFILL_TOKENS, adapter_bytes: int = 0) -> MemoryPlan:
     """The memory plan of a model on a device with `free` bytes available (None: unknown).
     `platform`: the device's `platforms.Platform` record (or its name: its default record).
     `weights_loaded`: `free` was measured after the weights were placed.  `sweep`: the
     decode attention is the XLA sweep (several arenas; default on CPU) rather than the
     Pallas kernel (one arena).  `kv_dtype`: an 8-bit pool (None: the model's dtype).
     `mesh_size`: the chips of a tensor-parallel mesh; the plan is then per chip.
-    `prefill_tokens`: the engine's prompt positions a prefill (its workspace)."""
+    `prefill_tokens`: the engine's prompt positions a prefill (its workspace).
+    `adapter_bytes`: the LoRA slot tables the engine keeps (`lora.table_bytes`)."""
     rec = platform if isinstance(platform, Platform) else choose(cfg, platform)
     dtype = dtype or cfg.dtype
     per_tok = bytes_per_token(cfg, dtype, kv_dtype, mesh_size, rec.pack)
@@ -279,7 +283,7 @@ def plan(cfg: MoondreamConfig, *, platform, max_batch_size: int, max_context: in
             if free is None:
                 raise MemoryError_("cannot size the KV pool: the device does not report its "
                                    "free memory; pass kv_cache_tokens")
-            room = free - slots - work - (0 if weights_loaded else weights)
+            room = free - slots - work - adapter_bytes - (0 if weights_loaded else weights)
             if room <= per_tok * (max_context + cfg.prefix_len):
                 raise MemoryError_(
                     f"no room for a KV pool: the device has {gib(free)} free and the weights "
@@ -302,7 +306,7 @@ def plan(cfg: MoondreamConfig, *, platform, max_batch_size: int, max_context: in
         sweep = rec.sweeps
     arenas = Arenas.geometric(n_pages, row_pages) if sweep else Arenas((n_pages,))
     return MemoryPlan(weights, n_pages * page_size * per_tok, slots, work, free,
-                      usable * page_size, page_size, arenas, mesh_size)
+                      usable * page_size, page_size, arenas, mesh_size, adapter_bytes)
 
 
 def check(p: MemoryPlan, cfg: MoondreamConfig, *, max_context: int, weights_loaded: bool):

@@ -27,6 +27,7 @@ import enum
 import itertools
 from dataclasses import dataclass
 
+from .adapters import AdapterSlots
 from .pages import Entry, PageAllocator, PrefixCache, TextCache, chain_keys, pages_for
 from .request import EngineError, Handle, RequestError
 
@@ -96,7 +97,9 @@ class Seq:
         self.image = None         # once ready: ImagePrefix / PreparedImage / EncodedImage / None
         self.encoded = False      # the image is an EncodedImage (pinned; never re-prepared)
         self.ready = False
-        self.key = None           # the image's prefix-cache key
+        self.key = None           # the image's prefix-cache key (namespaced by adapter)
+        self.adapter = None       # the request's LoRA adapter (`convert.adapters.Adapter`)
+        self.adapter_slot = 0     # its device slot, taken at admission (0: none)
         self.source: Source | None = None   # set at admission
         self.need_pages = 0       # pages of the whole budget, reserved at admission
         self.pages: list[int] = []   # assigned pages, logical order
@@ -134,7 +137,7 @@ class Scheduler:
     def __init__(self, *, max_batch_size: int, n_pages: int, page_size: int,
                  prefix_len: int, prefill_tokens: int, prefix_cache: bool = True,
                  record_events: bool = False, share_prefix: bool = False,
-                 prefill_cost=None, spatial_ids: tuple = ()):
+                 prefill_cost=None, spatial_ids: tuple = (), adapter_slots: int = 0):
         self.max_batch_size, self.page_size = max_batch_size, page_size
         self.prefill_tokens = prefill_tokens
         self.prefill_cost = prefill_cost or (lambda rows, longest: rows * longest)
@@ -163,6 +166,7 @@ class Scheduler:
         # Flushed by the engine after a commit's step is logged, so a caller that holds a
         # result also finds the step that produced it in the step log.
         self.outbox = Outbox()
+        self.adapters = AdapterSlots(adapter_slots)
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -187,7 +191,7 @@ class Scheduler:
         if not s.ready and s.prep is not None and s.prep.done():
             try:
                 s.image, s.ready = s.prep.result(), True
-                s.key = s.image.key
+                s.key = adapter_key(s.image.key, s.adapter)
             except Exception as e:  # unreadable image etc.: this request alone fails
                 (self.encodes if s.skill is None else self.waiting).remove(s)
                 self.outbox.result(s.handle, error=e)
@@ -257,7 +261,7 @@ class Scheduler:
 
     def _chain(self, s: Seq, tokens: list, n_pages: int) -> list:
         """Hash-chain keys of the first n_pages full pages of `s`'s sequence."""
-        root = b"image:" + s.key if s.key is not None else b"text"
+        root = b"image:" + s.key if s.key is not None else adapter_key(b"text", s.adapter)
         return chain_keys(root, list(range(s.prefix)) + tokens, self.page_size, n_pages)
 
     def _text_usable(self, s: Seq, src) -> bool:
@@ -360,6 +364,9 @@ class Scheduler:
                 continue
             if src is LATER:
                 continue
+            slot = self.adapters.acquire(s.adapter)
+            if slot is None:   # every adapter slot is held by running rows: wait
+                continue
             hit = src is not None and src.hit
             text = self.text_hit(s, src)
             first = s.prefix // self.page_size
@@ -377,7 +384,9 @@ class Scheduler:
             self.text.use(text)   # pinned now: admission's evictions must not take them
             if not self.admit_pages(s, keep, (self.shared_pages if hit else 0) + len(text)):
                 self.text.unpin([tp.key for tp in text])
+                self.adapters.release(slot)
                 break
+            s.adapter_slot = slot
             if src is not None:
                 keep.add(s.key)
                 if not hit:
@@ -396,6 +405,8 @@ class Scheduler:
         """Give back what planning reserved (the prefill is not launched this tick)."""
         for s in batch:
             self.free_pages(s)
+            self.adapters.release(s.adapter_slot)
+            s.adapter_slot = 0
             if s.source is not None and not s.source.hit and s.source.entry is not None:
                 self.cache.remove(s.key)
                 self.alloc.give_back(s.source.entry.pages)
@@ -486,6 +497,7 @@ class Scheduler:
         self.free_rows.sort(reverse=True)
         self.keep_text(s)
         self.free_pages(s)
+        self.adapters.release(s.adapter_slot)
         s.row = -1
         if s.outcome is not None:
             self.outbox.result(s.handle, *s.outcome)
@@ -571,3 +583,9 @@ class Scheduler:
     def _event(self, name: str, s: Seq, *detail) -> None:
         if self.events is not None:
             self.events.append((name, s.id, self.commits, *detail))
+
+
+def adapter_key(key: bytes, adapter) -> bytes:
+    """A prefix-cache key in the namespace of the request's adapter: an adapter changes the
+    K/V of every position, the image prefix included."""
+    return key if adapter is None else key + b"|lora:" + adapter.digest

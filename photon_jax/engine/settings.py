@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from dataclasses import dataclass
 
 DEFAULT_TEMPERATURE = 0.5
@@ -15,7 +14,7 @@ DEFAULT_SEED = 0
 
 SHAPES = ("json_schema", "regex", "choices")
 KNOWN = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "repeat_stop",
-         "stop") + SHAPES
+         "stop", "variant") + SHAPES
 MAX_STOPS = 4   # OpenAI's bound
 MAX_STOP_CHARS = 256   # each: the stream's hold-back check is quadratic in it
 # A shape's spec as canonical JSON: llguidance bounds the grammar it builds (500k symbols),
@@ -43,6 +42,8 @@ class Settings:
     shape: tuple | None = None
     # Stop strings: a text answer ends before the first one (finish reason "stop").
     stop: tuple = ()
+    # The LoRA adapter (a finetune "variant") the answer is generated under; None: the base.
+    variant: str | None = None
 
 
 def _int(name, v, lo):
@@ -58,8 +59,8 @@ def _int(name, v, lo):
 
 def parse(settings: dict | None) -> Settings:
     """Validate a user's settings dict; unknown keys are errors (a typo would otherwise be
-    silently ignored), except the reference's `variant` (a hosted LoRA id), which is ignored
-    with a warning."""
+    silently ignored).  `variant` names a LoRA adapter; whether it is loaded is the
+    engine's to say (None or "" = the base model, as the reference's None)."""
     if settings is None:
         return Settings()
     if isinstance(settings, Settings):
@@ -67,10 +68,6 @@ def parse(settings: dict | None) -> Settings:
     if not isinstance(settings, dict):
         raise SettingsError(f"settings must be a dict, got {type(settings).__name__}")
     s = dict(settings)
-    if "variant" in s:
-        s.pop("variant")
-        warnings.warn("settings['variant'] (hosted LoRA variants) is not supported and is "
-                      "ignored", stacklevel=3)
     unknown = sorted(set(s) - set(KNOWN))
     if unknown:
         raise SettingsError(f"unknown settings key(s) {unknown}; known keys: {list(KNOWN)}")
@@ -98,6 +95,12 @@ def parse(settings: dict | None) -> Settings:
         out["shape"] = shape
     if s.get("stop") is not None:
         out["stop"] = _stops(s["stop"])
+    v = s.get("variant")
+    if v not in (None, ""):
+        if not isinstance(v, str) or len(v) > 256:
+            raise SettingsError(f"settings['variant'] must be an adapter name (a string of at "
+                                f"most 256 characters), got {str(v)[:80]!r}")
+        out["variant"] = v
     return Settings(**out)
 
 

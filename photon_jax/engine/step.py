@@ -41,7 +41,7 @@ import flax.struct
 
 from ..base.dtypes import F32, jnp_dtype
 from ..kernels import cpukernel, gpu_attention
-from ..model import quant, sampling, text, vision
+from ..model import lora, quant, sampling, text, vision
 from ..model.config import KIND_COORD, KIND_SIZE, KIND_TOKEN, MoondreamConfig
 from ..model.layers import linear
 from ..model.platforms import (DENSE_MIN_ROWS, GPU_ATTENTION, TPU_ATTENTION, Platform,
@@ -49,8 +49,8 @@ from ..model.platforms import (DENSE_MIN_ROWS, GPU_ATTENTION, TPU_ATTENTION, Pla
 from ..model.region import region_heads
 from . import constraints, kvpool
 from .kvpool import DecodeAccess, KVPool, PrefillAccess
-from .stepmeta import (F_LAST, F_PREFIX, F_START, M_OFF, M_PAGE, M_POS, M_ROW, M_TABLE, P_COUNT,
-                       P_OWNER)
+from .stepmeta import (F_ADAPTER, F_LAST, F_PREFIX, F_START, M_ADAPTER, M_OFF, M_PAGE, M_POS,
+                       M_ROW, M_TABLE, P_COUNT, P_OWNER)
 
 # Rows of the per-step sampling array `samp_FR` (int32 [6 + A, R]), uploaded once per
 # finalize: the row's pending-buffer row, constraint id, token index, seed, temperature and
@@ -194,12 +194,20 @@ def decode_access(meta_FR, pages_2P, *, attention: str, splits: int = 1,
                         attend=attend, scatter=scatter, splits=splits, tp=tp)
 
 
+def _adapted(adapters, slot_R, mode):
+    """The decoder's per-row adapters (`lora.Rows`), or None for an engine without them."""
+    return None if adapters is None else lora.Rows(adapters, slot_R, mode)
+
+
 def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_2P,
-             splits: int = 1, *, cfg, attention="xla", grouped="blocks", dense=False, tp=None):
+             splits: int = 1, adapters=None, *, cfg, attention="xla", grouped="blocks",
+             dense=False, tp=None, lora_mode="gather"):
     """One decode step for R rows over the arenas given: inputs gathered on the device from
     the pending buffers by row (never through the host), logits and hidden into the slot.
     `dense`: the dense layers and LM head on `cpukernel.dense` (`default_dense`).  `splits`
-    (static): the GPU kernel's split count (`EnginePrograms.decode_splits`; 1 for the others)."""
+    (static): the GPU kernel's split count (`EnginePrograms.decode_splits`; 1 for the others).
+    `adapters`: the LoRA slot tables (`lora.init_tables`; None: an engine without adapters),
+    each row's slot in `meta_FR[M_ADAPTER]`."""
     rows = meta_FR[M_ROW]
     x = text.input_embeddings(params, pending.kind[rows], pending.token[rows],
                               pending.value[rows], cfg=cfg, rows=True)[:, None]
@@ -216,7 +224,8 @@ def _forward(params, pool: KVPool, slot: Slot, pending: Pending, meta_FR, pages_
                                    decode_access(meta_FR, pages_2P, attention=attention,
                                                  splits=splits, tp=tp,
                                                  kv_heads=cfg.text.n_kv_heads),
-                                   grouped, dense=product, tp=tp)
+                                   grouped, dense=product, tp=tp,
+                                   lora=_adapted(adapters, meta_FR[M_ADAPTER], lora_mode))
     h = hidden[:, 0]
     return pool, _into_slot(slot, h, text.logits(params["text"], h, dense=product, tp=tp))
 
@@ -227,7 +236,8 @@ def _into_slot(slot: Slot, h_RD, logits_RV) -> Slot:
 
 
 def _prefill_slot(params, pool: KVPool, slot: Slot, kinds_RT, ids_RT, values_RT2, pre_FR,
-                  write_2RT, table_RM, *, cfg, grouped="blocks", tp=None):
+                  write_2RT, table_RM, adapters=None, *, cfg, grouped="blocks", tp=None,
+                  lora_mode="gather"):
     """Prompt prefill for R rows starting at per-row positions (after an image prefix, or 0
     for text-only prompts), K/V written into the rows' pages; the last real position's
     logits and hidden go into the slot.  Prompt positions of kind coord / size (spatial
@@ -237,7 +247,7 @@ def _prefill_slot(params, pool: KVPool, slot: Slot, kinds_RT, ids_RT, values_RT2
     emb = text.input_embeddings(params, kinds_RT, ids_RT, values_RT2, cfg=cfg)
     access = PrefillAccess(write_2RT[0], write_2RT[1], table_RM, pre_FR[F_PREFIX], tp=tp)
     hidden, pool, _ = text.forward(params["text"], cfg.text, emb, pos, pool, access, grouped,
-                                   tp=tp)
+                                   tp=tp, lora=_adapted(adapters, pre_FR[F_ADAPTER], lora_mode))
     last = jnp.take_along_axis(hidden, pre_FR[F_LAST][:, None, None], axis=1)[:, 0]
     return pool, _into_slot(slot, last, text.logits(params["text"], last, tp=tp))
 
@@ -296,8 +306,8 @@ def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, samp_FR, 
 
 
 def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR,
-             splits: int = 1, *, cfg, attention="xla", grouped="blocks", dense=False,
-             stochastic=False, region=False, tp=None):
+             splits: int = 1, adapters=None, *, cfg, attention="xla", grouped="blocks",
+             dense=False, stochastic=False, region=False, tp=None, lora_mode="gather"):
     """The device-only ceiling: one decode + sample step per entry of the stacked per-step
     metadata, in one `lax.scan` (a static trip count), no host work between steps (token
     indices advance by one per step).  `splits` (static): the GPU kernel's split count for
@@ -306,8 +316,9 @@ def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR,
         pool, slot, pending, i = carry
         meta, pages = step
         samp = samp_FR.at[S_INDEX].add(i)
-        pool, slot = _forward(params, pool, slot, pending, meta, pages, splits, cfg=cfg,
-                              attention=attention, grouped=grouped, dense=dense, tp=tp)
+        pool, slot = _forward(params, pool, slot, pending, meta, pages, splits, adapters,
+                              cfg=cfg, attention=attention, grouped=grouped, dense=dense,
+                              tp=tp, lora_mode=lora_mode)
         slot, pending = _sample_step(params, slot, pending, tables, samp, cfg=cfg,
                                      stochastic=stochastic, region=region)
         return (pool, slot, pending, i + 1), None
@@ -380,6 +391,9 @@ class EnginePrograms:
     # sample_step[(stochastic, region)]: the four static variants of the sampling program.
     sample_step: dict
     ceiling: Callable
+    # write_adapter(tables, slot, adapter): one adapter into a slot of the LoRA tables
+    # (donated): a device write between steps, never a new trace of the step programs.
+    write_adapter: Callable = None
     attention: str = "xla"   # the decode attention forward and ceiling were built with
     tp: object = None        # the mesh layout the engine's programs were built for
 
@@ -412,21 +426,26 @@ class EnginePrograms:
 
 def build(cfg: MoondreamConfig, attention: str = "xla",
           candidates: int = sampling.DEFAULT_CANDIDATES, grouped: str = "blocks",
-          vision_loop: bool = False, dense: bool | None = None, tp=None) -> EnginePrograms:
+          vision_loop: bool = False, dense: bool | None = None, tp=None,
+          lora_mode: str | None = None) -> EnginePrograms:
     """The engine's jitted programs of one config.  Cached per argument (configs are frozen
     and hashable), so loading the same model again -- on another device, in another engine
     -- reuses the compiled executables instead of tracing and compiling anew.
     `candidates`: the top-p candidate cap (`sampling`); `grouped`: the MoE prefill schedule
     (`moe.schedule`); `vision_loop`: the vision attention's formulation
     (`default_vision_loop`); `dense`: decode's dense layers on the CPU kernel (None:
-    `default_dense`); `tp`: the programs split over a mesh (`sharding.TensorParallel`)."""
+    `default_dense`); `tp`: the programs split over a mesh (`sharding.TensorParallel`);
+    `lora_mode`: how rows apply their adapters (`lora.MODES`; None: `lora.default_mode`)."""
     check_attention(attention)
+    if lora_mode is not None and lora_mode not in lora.MODES:
+        raise ValueError(f"lora_mode {lora_mode!r}; expected one of {lora.MODES}")
     if dense is None:
         dense = default_dense(cfg, attention)
     elif dense and not default_dense(cfg, attention):
         raise ValueError("dense=True needs attention='cpu-kernel', float32 and a CPU with "
                          "AVX2 and FMA (`default_dense`)")
-    return _build(cfg, attention, candidates, grouped, vision_loop, dense, tp)
+    return _build(cfg, attention, candidates, grouped, vision_loop, dense, tp,
+                  lora.default_mode(attention) if lora_mode is None else lora_mode)
 
 
 @lru_cache(maxsize=16)
@@ -495,9 +514,10 @@ def oracle_of(model) -> OraclePrograms:
 
 
 @lru_cache(maxsize=16)
-def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp) -> EnginePrograms:
+def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp,
+           lora_mode) -> EnginePrograms:
     c = {"cfg": cfg}
-    e = {"cfg": cfg, "grouped": grouped, "tp": tp}
+    e = {"cfg": cfg, "grouped": grouped, "tp": tp, "lora_mode": lora_mode}
     return EnginePrograms(
         cfg=cfg,
         image_kv=jax.jit(partial(text.image_kv, vision_loop=vision_loop, **e)),
@@ -513,6 +533,7 @@ def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp) -> Engin
                      for st in (False, True) for rg in (False, True)},
         ceiling=jax.jit(partial(_ceiling, attention=attention, dense=dense, **e),
                         static_argnums=(8,), donate_argnums=(1, 2, 3)),
+        write_adapter=jax.jit(lora.write_slot, donate_argnums=(0,)),
         attention=attention,
         tp=tp,
     )

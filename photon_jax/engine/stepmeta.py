@@ -3,14 +3,15 @@ pack them.  NumPy only; the device programs (`step.py`) read the same names.
 
 A decode step uploads two int32 arrays:
 
-- `meta_FR` [4 + M, R]: per row (R = the step's row bucket) its pending-buffer row, the
-  position it decodes, the page and offset its new K/V go to, then its page table (M global
-  page ids in logical order; unused entries 0, the never-owned page).
+- `meta_FR` [5 + M, R]: per row (R = the step's row bucket) its pending-buffer row, the
+  position it decodes, the page and offset its new K/V go to, its LoRA adapter slot (0:
+  none), then its page table (M global page ids in logical order; unused entries 0, the
+  never-owned page).
 - `pages_2P` [2, P] over the P pages of the arenas the step reads: each page's owner (a step
   row index, R for none) and how many of its positions are valid.
 
-A prefill uploads `pre_FR` [4, R] (pending row, first prompt position, prefix length, index
-of the last real prompt position), `write_2RT` [2, R, T] (page and offset of every prompt
+A prefill uploads `pre_FR` [5, R] (pending row, first prompt position, prefix length, index
+of the last real prompt position, adapter slot), `write_2RT` [2, R, T] (page and offset of every prompt
 position) and `table_RM` [R, M] (the rows' page tables over the attended positions).
 
 Padding rows of a bucket use row 0 and page 0: their writes land in the dummy row and page.
@@ -22,9 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-M_ROW, M_POS, M_PAGE, M_OFF, M_TABLE = range(5)
+M_ROW, M_POS, M_PAGE, M_OFF, M_ADAPTER, M_TABLE = range(6)
 P_OWNER, P_COUNT = range(2)
-F_ROW, F_START, F_PREFIX, F_LAST = range(4)
+F_ROW, F_START, F_PREFIX, F_LAST, F_ADAPTER = range(5)
 
 _I32 = np.int32
 
@@ -72,11 +73,15 @@ class Arenas:
 
 
 def pack_decode(rows: list[int], positions: list[int], tables: list[list[int]], bucket: int,
-                max_pages: int, page_size: int, arenas: Arenas, owners: bool = True):
+                max_pages: int, page_size: int, arenas: Arenas, owners: bool = True,
+                adapters: list[int] | None = None):
     """(meta_FR, pages_2P, n_arenas) of a decode step: rows[i] decodes `positions[i]`, its
-    K/V pages are tables[i] (logical order, the page of `positions[i]` included).  Without
-    `owners` (attention through page tables: the kernels), pages_2P is a [2, 1] stand-in."""
+    K/V pages are tables[i] (logical order, the page of `positions[i]` included), its
+    adapter slot adapters[i] (None: all 0).  Without `owners` (attention through page
+    tables: the kernels), pages_2P is a [2, 1] stand-in."""
     meta = np.zeros((M_TABLE + max_pages, bucket), _I32)
+    if adapters is not None:
+        meta[M_ADAPTER, :len(adapters)] = adapters
     top = 0
     for i, (row, pos, table) in enumerate(zip(rows, positions, tables)):
         meta[M_ROW, i], meta[M_POS, i] = row, pos
@@ -97,15 +102,17 @@ def pack_decode(rows: list[int], positions: list[int], tables: list[list[int]], 
 
 def pack_prefill(rows: list[int], starts: list[int], prefixes: list[int], lengths: list[int],
                  tables: list[list[int]], bucket: int, prompt_len: int, kv_len: int,
-                 page_size: int):
+                 page_size: int, adapters: list[int] | None = None):
     """(pre_FR, write_2RT, table_RM) of a prefill: row i's prompt of lengths[i] tokens starts
-    at position starts[i]; its pages are tables[i]."""
-    pre = np.zeros((4, bucket), _I32)
+    at position starts[i]; its pages are tables[i], its adapter slot adapters[i]."""
+    pre = np.zeros((F_ADAPTER + 1, bucket), _I32)
+    if adapters is not None:
+        pre[F_ADAPTER, :len(adapters)] = adapters
     write = np.zeros((2, bucket, prompt_len), _I32)
     table = np.zeros((bucket, kv_len // page_size), _I32)
     for i, (row, start, prefix, n, t) in enumerate(zip(rows, starts, prefixes, lengths,
                                                        tables)):
-        pre[:, i] = (row, start, prefix, n - 1)
+        pre[:F_ADAPTER, i] = (row, start, prefix, n - 1)
         pos = start + np.arange(n)
         write[0, i, :n] = np.asarray(t)[pos // page_size]
         write[1, i, :n] = pos % page_size

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..base.dtypes import F32, jnp_dtype, matmul_precision
-from . import moe, quant, region, vision
+from . import lora, moe, quant, region, vision
 from .config import KIND_COORD, KIND_SIZE, MoondreamConfig, TextConfig
-from .layers import attention, attention_mask, layer_norm, linear, mlp
+from .layers import attention, attention_mask, gelu_tanh, layer_norm, linear, mlp
 
 
 @flax.struct.dataclass
@@ -177,7 +177,7 @@ def stack_layers(params: dict) -> dict:
 
 
 def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "blocks",
-            dense=linear, tp=None):
+            dense=linear, tp=None, lora=None):
     """Run the decoder on input embeddings -> (hidden before post_ln [R, T, D], kv, routes).
 
     `kv` is a dense `KVCache` or the engine's `kvpool.KVPool`; `access` says where each
@@ -187,7 +187,9 @@ def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "bloc
     MoE prefill schedule (`moe.schedule`).  `dense`: what computes the dense layers
     (`layers.linear`; the CPU decode step passes `cpukernel.linear`).  `tp`: the layout over
     a mesh (`sharding.TensorParallel`; None: one device): dense layers by output columns,
-    experts by expert (a pool access carries its own `tp` for the attention).
+    experts by expert (a pool access carries its own `tp` for the attention).  `lora`: each
+    row's adapter (`lora.Rows`; None: no adapters), added to qkv, proj, fc1 and fc2 of
+    the dense blocks where the reference adds them.
     """
     if tp is not None:
         dense = tp.dense(dense)
@@ -197,6 +199,8 @@ def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "bloc
     for li, (p, kind) in enumerate(layer_params(pt, cfg)):
         h = layer_norm(x, p["ln"])
         qkv = dense(h, p["qkv"])
+        if lora is not None:
+            qkv = lora.add(li, "qkv", h, qkv)
         q = qkv[..., : nh * hd].reshape(r, t, nh, hd)
         k = qkv[..., nh * hd:(nh + kh) * hd].reshape(r, t, kh, hd)
         v = qkv[..., (nh + kh) * hd:].reshape(r, t, kh, hd)
@@ -210,11 +214,17 @@ def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "bloc
         k = apply_rope(k, pos_RT, cfg)
         kv, a = access.update(kv, li, q, k, v, pos_RT)
         # (x + attn) + mlp, in the reference's order: it matters for bf16 rounding.
-        x = x + dense(a.reshape(r, t, nh * hd), p["proj"])
+        o = dense(a.reshape(r, t, nh * hd), p["proj"])
+        if lora is not None:   # the reference adapts proj from the block input h
+            o = lora.add(li, "proj", h, o)
+        x = x + o
         if kind == "moe":
             m, rt = moe.moe_mlp(p["moe"], h, cfg.moe.experts_per_token, with_routes=True,
                                 grouped=grouped, tp=tp)
             routes.append(rt)
+        elif lora is not None:
+            g = gelu_tanh(lora.add(li, "fc1", h, dense(h, p["fc1"])))
+            m = lora.add(li, "fc2", g, dense(g, p["fc2"]))
         else:
             m = mlp(h, p, dense)
         x = x + m
@@ -266,17 +276,21 @@ def image_prefix(params, img_emb_ZD, *, cfg: MoondreamConfig):
     return jnp.concatenate([bos.astype(img_emb_ZD.dtype), img_emb_ZD], axis=0)[None]
 
 
-def image_kv(params, crops_u8, src, ph, pw, *, cfg: MoondreamConfig, grouped="blocks",
-             vision_loop=False, tp=None):
+def image_kv(params, crops_u8, src, ph, pw, adapters=None, slot_1=None, *,
+             cfg: MoondreamConfig, grouped="blocks", vision_loop=False, tp=None,
+             lora_mode="gather"):
     """An image's prefix KV ([L, 730, K, H] each): encode, project, and prefill BOS + image
-    tokens (bidirectional) in a one-row cache of exactly the prefix length."""
+    tokens (bidirectional) in a one-row cache of exactly the prefix length.  `adapters`,
+    `slot_1` ([1] int32): the LoRA slot tables and the slot the prefix is computed under
+    (the reference prefills the image through the adapted decoder too)."""
     n = cfg.prefix_len
     _, emb = vision.encode_image(params, crops_u8, src, ph, pw, cfg=cfg, vision_loop=vision_loop)
     cache = init_cache(cfg, rows=1, length=n)
     pos = jnp.arange(n, dtype=jnp.int32)[None]
     zero, full = jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32)
+    rows = None if adapters is None else lora.Rows(adapters, slot_1, lora_mode)
     _, cache, _ = forward(params["text"], cfg.text, image_prefix(params, emb, cfg=cfg),
-                          pos, cache, DenseAccess(zero, full, n), grouped, tp=tp)
+                          pos, cache, DenseAccess(zero, full, n), grouped, tp=tp, lora=rows)
     return cache.k[:, 0], cache.v[:, 0]
 
 

@@ -409,10 +409,12 @@ class Server:
         """Every field checked first, then the image decoded, then the request submitted:
         -> (the API's call, stream?)."""
         f = Fields(body, route)
-        f.take("model", str, what="a string (ignored: this server runs one model)")
+        model = f.take("model", str, what="a string: this server's model, or "
+                       "<model>@<adapter> / <adapter> for a loaded adapter")
         stream = f.take("stream", bool, False, what="true or false")
         settings = check_settings(f.take("settings", dict, what="an object"),
                                   md.engine.max_context)
+        settings = self._with_variant(md, model, settings, route)
         await self._settings(md, settings)
         url = f.take("image_url", str, required=route != "query",
                      what="a data:image/...;base64,... URI")
@@ -478,6 +480,9 @@ class Server:
         held = []
         try:
             c = parse_chat(body, md.engine.max_context)
+            model = body.get("model")
+            c["settings"] = self._with_variant(md, model if isinstance(model, str) else None,
+                                               c["settings"], "chat/completions")
             await self._settings(md, c["settings"], None)
             cap = self.config.limits.max_text_chars
             if c["text_chars"] > cap:
@@ -503,7 +508,9 @@ class Server:
         finally:
             res.release()
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "created": created, "model": self.config.model_name}
+        variant = (c["settings"] or {}).get("variant")
+        base = {"id": rid, "created": created, "model": self.config.model_name + (
+            f"@{variant}" if variant else "")}
         if c["stream"]:
             return self._sse(request, call, self._chat_events(call, base, c["include_usage"]),
                              "chat")
@@ -545,23 +552,54 @@ class Server:
             yield {**chunk, "choices": [], "usage": _usage(m)}
         yield "[DONE]"
 
-    def _model_card(self, md) -> dict:
-        return {"id": self.config.model_name, "object": "model", "created": 0,
+    def _with_variant(self, md, model: str | None, settings: dict | None,
+                      route: str) -> dict | None:
+        """The request's settings with the adapter its `model` field names, if it names
+        one: "<model>@<adapter>" or a loaded adapter's name (any other name is this
+        server's one model, as OpenAI clients send their own defaults)."""
+        name = self.config.model_name
+        if model is None or model == name:
+            return settings
+        if model.startswith(name + "@"):
+            adapter = model[len(name) + 1:]
+        elif model in md.engine.adapters:
+            adapter = model
+        else:
+            return settings
+        have = (settings or {}).get("variant")
+        if have not in (None, "", adapter):
+            raise bad(f"{route}: model {model!r} and settings variant {have!r} name different "
+                      "adapters; send one", "model")
+        return {**(settings or {}), "variant": adapter}
+
+    def _model_card(self, md, adapter: str | None = None) -> dict:
+        card = {"id": self.config.model_name, "object": "model", "created": 0,
                 "owned_by": "photon_jax", "family": md.config.family,
                 "max_context": md.engine.max_context}
+        if adapter is not None:
+            card.update(id=f"{self.config.model_name}@{adapter}", adapter=adapter,
+                        parent=self.config.model_name)
+        return card
 
     async def models(self, request: HTTPRequest) -> Response:
+        """The model, then each loaded LoRA adapter as "<model>@<adapter>"."""
         md = self._model()
-        return JSONResponse({"object": "list", "data": [self._model_card(md)]})
+        return JSONResponse({"object": "list", "data": [self._model_card(md)] + [
+            self._model_card(md, a) for a in md.adapters]})
 
     async def model(self, request: HTTPRequest) -> Response:
         """GET /v1/models/{id} (the OpenAI SDK's models.retrieve)."""
         md = self._model()
         mid = request.path_params["model_id"]
-        if mid != self.config.model_name:
-            raise ApiError(404, f"model {mid!r} is not served here; this server runs "
-                           f"{self.config.model_name!r} (GET /v1/models)", "not_found", "model")
-        return JSONResponse(self._model_card(md))
+        name = self.config.model_name
+        if mid == name:
+            return JSONResponse(self._model_card(md))
+        adapter = mid[len(name) + 1:] if mid.startswith(name + "@") else None
+        if adapter in md.engine.adapters:
+            return JSONResponse(self._model_card(md, adapter))
+        raise ApiError(404, f"model {mid!r} is not served here; this server runs {name!r} "
+                       f"and its adapters {md.adapters[:20]} (GET /v1/models)", "not_found",
+                       "model")
 
     async def health(self, request: HTTPRequest) -> Response:
         failure = self.engine_failure

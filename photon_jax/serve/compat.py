@@ -9,9 +9,9 @@ test_clients.py drives the clients themselves):
   in dist/src/types.d.ts: `maxTokens`) and puts the object on the wire as the caller wrote
   it (`segment` copies `request.settings` into the body); the server's settings keys are
   snake_case (`max_tokens`, `max_objects`, `top_p`, `repeat_stop`);
-- the Node client sends `variant` (a cloud fine-tune adapter id) whenever the caller gives
-  one; this server runs one model as loaded, so it is dropped with a warning rather than
-  refused: the rest of the request still means the same.
+- the Node client sends `variant` (a fine-tune adapter id) as a top-level field whenever
+  the caller gives one; the reference and this server take it in the settings, so it moves
+  there (the engine refuses an adapter it has not loaded, by name).
 
 Everything else is left as it came: an unknown field or a bad value is the parser's to refuse
 (`inputs.Fields`, the engine's settings check), with its own message.  Pure: no I/O, and the
@@ -41,18 +41,23 @@ def normalize(body: dict, route: str) -> tuple[dict, list[str]]:
         return body, []   # not an object: the server's body check says so
     out = dict(body)
     warnings = []
-    if "variant" in out:
-        variant = out.pop("variant")
-        # The Node client only sends a non-empty variant; a null one from anyone else asks
-        # for nothing, so it goes without a word.
-        if variant not in (None, ""):
-            # No route prefix: the caller logs the warning under the route's name.
-            warnings.append(f"variant {variant!r} ignored: this server has no adapters (it "
-                            "runs the one model it loaded)")
     # Settings are the only place a client puts camelCase keys (the Node client spells its
     # own top-level fields snake_case on the wire: image_url, spatial_refs).
     if isinstance(out.get("settings"), dict):
         out["settings"] = _settings(out["settings"], route)
+    if "variant" in out:
+        # The Node client sends a finetune's id as a top-level `variant` (the reference
+        # takes it in settings); a null or empty one asks for the base model.
+        variant = out.pop("variant")
+        if variant not in (None, ""):
+            settings = out.get("settings")
+            if settings is None:
+                settings = {}
+            if isinstance(settings, dict):
+                if settings.get("variant") not in (None, "", variant):
+                    raise ValueError(f"{route}: variant {variant!r} and settings.variant "
+                                     f"{settings['variant']!r} differ; send one")
+                out["settings"] = {**settings, "variant": variant}
     return out, warnings
 
 

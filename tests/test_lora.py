@@ -1,0 +1,260 @@
+"""LoRA adapters (finetune variants): loaded as published, applied as the reference applies
+them, many in one batch, no recompile when a new one arrives, bad ones refused by name.
+
+The goldens (tests/fixtures/lora/golden.json) are the public reference's outputs on the tiny
+Moondream 2 fixture with each adapter of that folder selected by settings["variant"]
+(tests/fixtures/lora/make_golden.py wrote the adapters as `final.pt` files and ran it)."""
+
+import http.server
+import json
+import os
+import shutil
+import threading
+
+import pytest
+
+from helpers import LAND, LORA_DIR, SQ, lora_tensors, write_lora, \
+    write_safetensors
+from photon_jax import Moondream
+from photon_jax.convert.adapters import AdapterError, read_adapter, variant_path
+from photon_jax.engine.core import Engine
+from photon_jax.engine.request import Request, RequestError
+from photon_jax.engine.settings import Settings
+
+with open(os.path.join(LORA_DIR, "golden.json")) as _f:
+    GOLDEN = json.load(_f)
+VARIANTS = list(GOLDEN["adapters"])
+FINAL_PT = {v: os.path.join(LORA_DIR, v, "final.pt") for v in VARIANTS}
+IMAGES = {"sq378": SQ, "land800x600": LAND}
+
+
+@pytest.fixture(scope="module")
+def md(tiny_ckpt):
+    m = Moondream.load(tiny_ckpt, adapters=FINAL_PT, max_adapters=4, max_lora_rank=8,
+                       max_batch_size=8)
+    yield m
+    m.close()
+
+
+def _run(md, case, image, variant):
+    st = GOLDEN["settings"]
+    s = {"temperature": 0, "max_tokens": st["max_tokens"], "variant": variant}
+    if case.startswith("caption"):
+        return {"text": md.caption(image, case.split("_")[1], settings=s)["caption"]}
+    if case == "query":
+        return {"text": md.query(image, st["question"], reasoning=False, settings=s)["answer"]}
+    s = {"max_objects": st["max_objects"], "variant": variant}
+    r = getattr(md, case)(image, st["object"], settings=s)
+    return {case: r["objects" if case == "detect" else "points"]}
+
+
+def _same(got: dict, want: dict) -> bool:
+    if "text" in got:
+        return got["text"] == want["text"]
+    (k, g), w = next(iter(got.items())), next(v for n, v in want.items() if n != "ids")
+    return len(g) == len(w) and all(abs(a[c] - b[c]) < 1e-6 for a, b in zip(g, w) for c in a)
+
+
+def test_every_skill_with_each_adapter_gives_the_reference_outputs(md):
+    """caption (short, normal), query, detect and point on two images, without an adapter
+    and with each of two adapters (rank 4 under the training code's key names, rank 8 under
+    the reference's renamed ones): the reference's outputs, every one.  The base runs first
+    and the adapters after, on the same images, so a prefix cache that ignored the adapter
+    would hand the adapted requests the base's image prefix."""
+    bad = []
+    for variant, runs in GOLDEN["runs"].items():
+        for image_id, cases in runs.items():
+            for case, want in cases.items():
+                got = _run(md, case, IMAGES[image_id], None if variant == "base" else variant)
+                if not _same(got, want):
+                    bad.append((variant, image_id, case, got, want))
+    assert not bad, bad[:3]
+    # The goldens are worth checking: every adapted case differs from the base's.
+    assert all(n == 10 for n in GOLDEN["cases_differing_from_base"].values())
+    # each adapter's image prefixes were cached apart from the base's
+    assert md.engine.stats()["prefix_cache"]["misses"] >= 2 * 3
+
+
+def _requests(model, variants):
+    reqs = []
+    for i, v in enumerate(variants):
+        img = (LAND, SQ)[i % 2]
+        reqs.append(Request("text", model.prompts.caption("normal"), img,
+                            Settings(temperature=0, max_tokens=10, variant=v)))
+    return reqs
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "blocking"])
+def test_a_mixed_batch_gives_each_row_its_tokens_alone_and_a_new_adapter_compiles_nothing(
+        md, tmp_path, pipelined):
+    """Rows of four adapters and rows without one, decoded together: each row's tokens are
+    the ones it gets alone.  Then a fifth adapter is loaded and used (evicting the least
+    recently used slot): no step program is traced again."""
+    model = md.engine.model
+    eng = Engine(model, max_batch_size=8, max_adapters=4, max_lora_rank=8, pipelined=pipelined,
+                 adapters={})
+    try:
+        for name, seed in (("gamma", 11), ("delta", 12), ("epsilon", 13)):
+            path = write_lora(tmp_path / f"{name}.safetensors", 2 + seed % 5, seed)
+            eng.adapters[name] = read_adapter(path, model.cfg, name=name, max_rank=8)
+        for v in VARIANTS:
+            eng.adapters[v] = md.engine.adapters[v]
+        mix = [None, "ft-alpha@100", "ft-beta@7", "gamma", None, "delta", "ft-alpha@100",
+               "delta"]
+        alone = [eng.submit(r).result(timeout=300)["ids"] for r in _requests(model, mix)]
+        assert len({tuple(a) for a in alone}) >= 5   # the adapters make a difference
+        together = [h.result(timeout=300)["ids"]
+                    for h in eng.submit_many(_requests(model, mix))]
+        assert together == alone
+        assert eng.counters["decode"] > 0
+        progs = eng.programs
+        before = {n: getattr(progs, n)._cache_size()
+                  for n in ("forward", "prefill_slot", "image_kv")}
+        fifth = eng.submit(_requests(model, ["epsilon"])[0]).result(timeout=300)["ids"]
+        after = {n: getattr(progs, n)._cache_size()
+                 for n in ("forward", "prefill_slot", "image_kv")}
+        assert after == before
+        assert fifth not in alone
+        assert eng.sched.adapters.loads == 5   # four, then the fifth into an evicted slot
+    finally:
+        eng.close()
+
+
+def test_requests_for_another_adapter_wait_for_a_free_slot(md):
+    """One slot, three adapters requested at once: each request waits until the rows
+    using the slot's adapter finish, then gets its own tokens."""
+    model = md.engine.model
+    eng = Engine(model, max_batch_size=8, max_adapters=1, max_lora_rank=8,
+                 adapters=md.engine.adapters)
+    try:
+        mix = ["ft-alpha@100", "ft-beta@7", "ft-alpha@100", None, "ft-beta@7"]
+        alone = [eng.submit(r).result(timeout=300)["ids"] for r in _requests(model, mix)]
+        loads = eng.sched.adapters.loads
+        together = [h.result(timeout=300)["ids"]
+                    for h in eng.submit_many(_requests(model, mix))]
+        assert together == alone
+        assert eng.sched.adapters.loads - loads >= 2   # the slot changed hands
+        assert eng.sched.adapters.in_use() == 0
+    finally:
+        eng.close()
+
+
+def _bad(tmp_path, name, edit):
+    t = lora_tensors(4, 0)
+    edit(t)
+    p = tmp_path / f"{name}.safetensors"
+    write_safetensors(p, t)
+    return p
+
+
+BAD = {
+    "wrong_shape": (lambda t: t.update({"text.blocks.0.attn.qkv.A":
+                                        t["text.blocks.0.attn.qkv.A"][:, :32]}), "do not fit"),
+    "other_model_layer": (lambda t: t.update({"text.blocks.5.mlp.fc1.A":
+                                              t["text.blocks.0.mlp.fc1.A"],
+                                              "text.blocks.5.mlp.fc1.B":
+                                              t["text.blocks.0.mlp.fc1.B"]}), "layer 5"),
+    "unknown_key": (lambda t: t.update({"vision.blocks.0.attn.qkv.A":
+                                        t["text.blocks.0.attn.qkv.A"]}), "not a Moondream 2"),
+    "missing_B": (lambda t: t.pop("text.blocks.1.mlp.fc2.B"), "needs both A and B"),
+    "nan": (lambda t: t["text.blocks.0.attn.proj.B"].__setitem__((0, 0), float("nan")),
+            "NaN"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_a_bad_adapter_is_refused_by_name_before_it_touches_a_slot(md, tmp_path, kind):
+    edit, words = BAD[kind]
+    path = _bad(tmp_path, kind, edit)
+    loaded = dict(md.engine.adapters)
+    with pytest.raises(AdapterError, match=words) as e:
+        md.load_adapter(f"bad-{kind}", path)
+    assert f"bad-{kind}" in str(e.value)
+    assert md.engine.adapters == loaded
+
+
+def test_rank_over_the_limit_and_unloaded_variants_are_refused(md, tmp_path):
+    with pytest.raises(AdapterError, match="max_lora_rank 8"):
+        md.load_adapter("big", write_lora(tmp_path / "big.safetensors", 16, 1))
+    with pytest.raises(RequestError, match="'nope'.*not loaded"):
+        md.engine.submit(_requests(md.engine.model, ["nope"])[0]).result(timeout=60)
+    eng = Engine(md.engine.model, max_batch_size=2)
+    try:
+        with pytest.raises(RequestError, match="no adapter slots"):
+            eng.submit(_requests(md.engine.model, ["ft-beta@7"])[0]).result(timeout=60)
+    finally:
+        eng.close()
+
+
+def test_a_variant_id_is_read_from_the_reference_cache_folder_and_never_fetched_offline(
+        md, tmp_path, monkeypatch):
+    """settings={"variant": id} with an id not loaded: its final.pt is taken from
+    `$HF_HUB_CACHE/md_variants/<id>/` as the reference would; offline, a missing one is
+    refused by name (no network)."""
+    cache = tmp_path / "hub"
+    os.makedirs(cache / "md_variants" / "ft-beta@7")
+    shutil.copy(FINAL_PT["ft-beta@7"], cache / "md_variants" / "ft-beta@7" / "final.pt")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("MOONDREAM_ENDPOINT", "http://127.0.0.1:9")   # nothing listens
+    name = "ft-beta@7"
+    saved = md.engine.adapters.pop(name)
+    try:
+        want = GOLDEN["runs"][name]["sq378"]["query"]
+        assert _same(_run(md, "query", SQ, name), want)
+        assert name in md.adapters
+        with pytest.raises(AdapterError, match="'missing@1' is not loaded.*HF_HUB_OFFLINE"):
+            md.caption(SQ, settings={"variant": "missing@1"})
+    finally:
+        md.engine.adapters[name] = saved
+
+
+def test_a_missing_variant_is_downloaded_where_and_as_the_reference_downloads_it(
+        tmp_path, monkeypatch):
+    seen = {}
+    body = open(FINAL_PT["ft-alpha@100"], "rb").read()
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen["path"], seen["headers"] = self.path, dict(self.headers)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+        monkeypatch.setenv("MOONDREAM_ENDPOINT", f"http://127.0.0.1:{srv.server_port}")
+        monkeypatch.setenv("MOONDREAM_API_KEY", "key-123")
+        p = variant_path("ft-alpha@100")
+        assert p == tmp_path / "hf" / "hub" / "md_variants" / "ft-alpha@100" / "final.pt"
+        assert p.read_bytes() == body
+        assert seen["path"] == "/v1/variants/ft-alpha@100/download"
+        assert seen["headers"]["User-Agent"] == "moondream-torch"
+        assert seen["headers"]["X-Moondream-Auth"] == "key-123"
+        with pytest.raises(AdapterError, match="not a variant id"):
+            variant_path("../../etc")
+    finally:
+        srv.shutdown()
+
+
+def test_photon_caption_with_an_adapter(md, tiny_ckpt, tmp_path):
+    """photon-caption --adapter NAME=PATH --variant NAME captions as the API with that
+    variant."""
+    from photon_jax.cli.caption import main
+
+    jl = tmp_path / "out.jsonl"
+    rc = main([SQ, LAND, "--model", tiny_ckpt, "--adapter", f"beta={FINAL_PT['ft-beta@7']}",
+               "--variant", "beta", "--max-lora-rank", "8", "--max-tokens", "10",
+               "--no-sidecar", "--jsonl", str(jl), "--quiet", "--no-compile-cache"])
+    assert rc == 0
+    got = {json.loads(x)["path"]: json.loads(x)["caption"] for x in jl.read_text().splitlines()}
+    s = {"temperature": 0, "max_tokens": 10, "variant": "ft-beta@7"}
+    assert got == {os.path.abspath(p): md.caption(p, settings=s)["caption"] for p in (SQ, LAND)}
