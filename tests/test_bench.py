@@ -192,6 +192,16 @@ def test_shapes_bench_smoke():
     assert row["mask_bytes"]["2"] == 4 * 4 * 1024 and row["mask_us"] > 0
 
 
+def test_lora_bench_smoke():
+    (row,) = run("lora.py", "--config", "tiny", "--batch", "4", "--ranks", "4", "--distinct",
+                 "2", "--modes", "gather", "--steps", "2", "--reps", "1", "--slots", "2",
+                 "--no-engine")
+    assert row["kind"] == "lora" and set(row["tok_s"]) == {"none", "r4/2/gather"}
+    # tiny: 2 layers, sum(in + out) = 1024 per layer, rank 4, 4 rows, float32
+    assert row["adapter_bytes"] == {"r4/gather": 4 * 4 * 1024 * 2 * 4}
+    assert row["load_ms"]["4"] > 0
+
+
 def test_conversation_bench_smoke():
     rows = run("conversation.py", "--config", "tiny", "--turns", "2", "--answer-tokens", "4",
                "--shared", "2")

@@ -101,3 +101,43 @@ def test_decode_path_programs_are_sync_free(make_cfg):
     assert found == {name: [] for name in texts}, found
     if cfg.text.moe is not None:   # the image prefix ran the MoE block loop: a known trip
         assert '"known_trip_count"' in texts["image_kv"]
+
+
+@pytest.mark.parametrize("mode", ["gather", "masked"])
+def test_adapter_programs_are_sync_free(mode):
+    """The decode, prefill and image programs with LoRA slot tables (each row's adapter a
+    gathered or masked product: docs/lora.md), and the slot write, have no conditional and
+    no unknown-trip loop either."""
+    cfg = tiny()
+    model = Model(cfg, init_params(jax.random.PRNGKey(0), cfg),
+                  load_tokenizer(os.path.join(FIXTURE_DIR, "tokenizer.json")))
+    rec = model.platform
+    P = step.build(cfg, rec.attention, grouped=rec.grouped, vision_loop=rec.vision_loop,
+                   dense=rec.dense, lora_mode=mode)
+    eng = Engine(model, max_batch_size=2, max_context=1024, kv_cache_tokens=2048,
+                 page_size=64, programs=P, max_adapters=3, max_lora_rank=4)
+    try:
+        tabs, dev, texts = eng.lora, eng.dev, {}
+        tables = [list(range(1, 13)), list(range(13, 26))]
+        meta, pages, n = M.pack_decode([1, 2], [740, 790], tables, 2, eng.max_pages, 64,
+                                       eng.arenas, adapters=[2, 0])
+        texts["forward"] = P.forward.lower(model.params, dev.pool.arenas(n), dev.slots[0],
+                                           dev.pending, meta, pages, 1, tabs).compile().as_text()
+        pre, write, table = M.pack_prefill([1], [730], [730], [5], [tables[0]], 1, 16, 768,
+                                           64, adapters=[1])
+        ids = np.zeros((1, 16), np.int32)
+        vals = np.zeros((1, 16, 2), np.float32)
+        texts["prefill_slot"] = P.prefill_slot.lower(
+            model.params, dev.pool, dev.slots[0], ids, ids, vals, pre, write, table,
+            tabs).compile().as_text()
+        prep = prepare_image(model, os.path.join(FIXTURE_DIR, "img_sq378.png"))
+        texts["image_kv"] = P.image_kv.lower(model.params, prep.crops, prep.src, prep.ph,
+                                             prep.pw, tabs,
+                                             np.ones(1, np.int32)).compile().as_text()
+        one = jax.tree.map(lambda t: np.zeros(t.shape[1:], np.float32), tabs)
+        texts["write_adapter"] = P.write_adapter.lower(tabs, np.int32(1),
+                                                       one).compile().as_text()
+    finally:
+        eng.close()
+    found = {name: audit(t) for name, t in texts.items()}
+    assert found == {name: [] for name in texts}, found
