@@ -218,3 +218,35 @@ def test_the_full_size_decode_step_lowers_for_cuda(cfg_fn, dtype):
     assert f"tensor<{k}x{pages_n}x{t}x{h}x{kv_type}>" in text
     if dtype != "float32":
         assert f"tensor<{k}x{pages_n}x{t}x{h}xf32>" not in text
+
+
+@pytest.mark.parametrize("mode", ["gather", "masked"])
+def test_the_full_size_decode_step_with_adapter_slots_lowers_for_cuda(mode):
+    """Moondream 2 at full size, batch 32, with 8 LoRA slots of rank 64 (docs/lora.md),
+    abstract shapes only: the decode step, the prefill and the slot write lower for CUDA,
+    the kernel still in the decode step, the tables read in the model's dtype."""
+    from gpu_compile import decode_args
+
+    from photon_jax.engine import stepmeta as M
+    from photon_jax.model import lora, platforms
+
+    cfg = moondream2().with_dtype("bfloat16")
+    a = decode_args(cfg, 32, 64, free=None, kv_cache_tokens=32 * cfg.text.max_context)
+    params, dev = a["params"], a["dev"]
+    rec = platforms.choose(cfg, "gpu")   # what build_for gives a GPU, with the mode
+    P = step_mod.build(cfg, rec.attention, grouped=rec.grouped, vision_loop=rec.vision_loop,
+                       dense=rec.dense, lora_mode=mode)
+    tables = jax.eval_shape(lambda: lora.init_tables(cfg, 8, 64))
+    text = lower_for_cuda(P.forward, (params, dev.pool, dev.slots[0], dev.pending, a["meta"],
+                                      a["owners"], 1, tables))
+    assert text.count(TRITON) >= 1
+    assert "tensor<9x64x2048xbf16>" in text   # a qkv A table: slots + 1, rank, in
+    rows, t = 4, 32
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)   # noqa: E731
+    pre = lower_for_cuda(P.prefill_slot, (
+        params, dev.pool, dev.slots[0], i32(rows, t), i32(rows, t),
+        jax.ShapeDtypeStruct((rows, t, 2), jnp.float32), i32(M.F_ADAPTER + 1, rows),
+        i32(2, rows, t), i32(rows, 1024 // 64), tables))
+    assert "tensor<9x64x2048xbf16>" in pre
+    one = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], jnp.float32), tables)
+    lower_for_cuda(P.write_adapter, (tables, jax.ShapeDtypeStruct((), jnp.int32), one))
