@@ -163,7 +163,11 @@ def read_adapter(path, cfg: MoondreamConfig, *, name: str, max_rank: int) -> Ada
         if li >= cfg.text.n_layers:
             raise AdapterError(f"adapter {name!r}: tensor {key!r} is for text layer {li}, but "
                                f"the model has {cfg.text.n_layers}: an adapter of another model")
-        found.setdefault((li, target), {})[ab] = (key, ref)
+        slot = found.setdefault((li, target), {})
+        if ab in slot:   # both spellings of one weight: which one is meant is not ours to guess
+            raise AdapterError(f"adapter {name!r}: tensors {slot[ab][0]!r} and {key!r} are the "
+                               "same weight under two names; keep one")
+        slot[ab] = (key, ref)
     if not found:
         raise AdapterError(f"adapter {name!r} ({path}) holds no adapter weights")
     h = hashlib.blake2b(digest_size=16)

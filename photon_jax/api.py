@@ -439,6 +439,13 @@ class Moondream:
         engine.adapters[name] = adapters_mod.read_adapter(
             path, self._m.cfg, name=name, max_rank=engine.max_lora_rank)
 
+    def unload_adapter(self, name: str) -> None:
+        """Forget the adapter `name` (its host copy): new requests for it are refused (or,
+        for a variant id, read from the cache folder again); running ones finish with it,
+        and its device slot is reused when needed."""
+        if self.engine.adapters.pop(name, None) is None:
+            raise KeyError(f"no adapter {name!r} is loaded; loaded: {self.adapters[:20]}")
+
     @property
     def adapters(self) -> list:
         """The names of the loaded adapters."""

@@ -20,6 +20,7 @@ from photon_jax.convert.adapters import AdapterError, read_adapter, variant_path
 from photon_jax.engine.core import Engine
 from photon_jax.engine.request import Request, RequestError
 from photon_jax.engine.settings import Settings
+from photon_jax.model import lora
 
 with open(os.path.join(LORA_DIR, "golden.json")) as _f:
     GOLDEN = json.load(_f)
@@ -134,7 +135,10 @@ def test_requests_for_another_adapter_wait_for_a_free_slot(md):
                     for h in eng.submit_many(_requests(model, mix))]
         assert together == alone
         assert eng.sched.adapters.loads - loads >= 2   # the slot changed hands
-        assert eng.sched.adapters.in_use() == 0
+        st = eng.stats()["adapters"]
+        assert st["slots_in_use"] == 0 and st["slot_loads"] == eng.sched.adapters.loads
+        # the one slot's tables, counted in the memory plan
+        assert eng.memory()["adapter_tables"] == lora.table_bytes(model.cfg, 1, 8) > 0
     finally:
         eng.close()
 
@@ -159,6 +163,9 @@ BAD = {
     "missing_B": (lambda t: t.pop("text.blocks.1.mlp.fc2.B"), "needs both A and B"),
     "nan": (lambda t: t["text.blocks.0.attn.proj.B"].__setitem__((0, 0), float("nan")),
             "NaN"),
+    "two_spellings": (lambda t: t.update({
+        "text_model.transformer.h.0.mixer.Wqkv.parametrizations.weight.0.A":
+            t["text.blocks.0.attn.qkv.A"]}), "same weight under two names"),
 }
 
 
@@ -176,6 +183,10 @@ def test_a_bad_adapter_is_refused_by_name_before_it_touches_a_slot(md, tmp_path,
 def test_rank_over_the_limit_and_unloaded_variants_are_refused(md, tmp_path):
     with pytest.raises(AdapterError, match="max_lora_rank 8"):
         md.load_adapter("big", write_lora(tmp_path / "big.safetensors", 16, 1))
+    md.load_adapter("short-lived", write_lora(tmp_path / "s.safetensors", 2, 3))
+    md.unload_adapter("short-lived")
+    with pytest.raises(RequestError, match="'short-lived'.*not loaded"):
+        md.engine.submit(_requests(md.engine.model, ["short-lived"])[0]).result(timeout=60)
     with pytest.raises(RequestError, match="'nope'.*not loaded"):
         md.engine.submit(_requests(md.engine.model, ["nope"])[0]).result(timeout=60)
     eng = Engine(md.engine.model, max_batch_size=2)

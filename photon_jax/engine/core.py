@@ -202,7 +202,8 @@ class Engine:
         of `page_size` positions; `kv_cache_tokens` = usable pages x page size; `kv_dtype`:
         the pool's format, `kv_bytes_per_token`: K + V of a position over every layer,
         scales included; `weights`: the weights' bytes on the device, codes and scales of
-        quantized ones included, `weights_format`: which are quantized)."""
+        quantized ones included, `weights_format`: which are quantized; `adapter_slots`
+        and `adapter_tables`: the LoRA slots and their tables' bytes)."""
         a, c = self.sched.alloc, self.sched.cache
         return {"kv_pool": self.plan.pool, "kv_cache_tokens": self.plan.kv_cache_tokens,
                 "kv_dtype": self.kv_dtype or self.cfg.dtype,
@@ -216,13 +217,15 @@ class Engine:
                 "arenas": list(self.arenas.sizes),
                 "slots": self.dev.nbytes()["slots"], "pending": self.dev.nbytes()["pending"],
                 "weights": self.plan.weights,
-                "weights_format": self.cfg.weights.describe()}
+                "weights_format": self.cfg.weights.describe(),
+                "adapter_slots": self.max_adapters, "adapter_tables": self.plan.adapters}
 
     def stats(self) -> dict:
         """Counters: steps by kind, tokens committed, zombie rows, and the prefix cache's
         hits, misses, inserts, evictions, current entries and pinned ones (held by
         `encode_image` handles or by running requests reading their pages), and the
-        conversation cache's pages read, inserted, evicted, held and pinned."""
+        conversation cache's pages read, inserted, evicted, held and pinned, and the LoRA
+        adapters' slots, those running rows hold, and the slot writes so far."""
         c, t = self.sched.cache, self.sched.text
         return {**dict(self.counters),
                 "prefix_cache": {"enabled": c.enabled, "hits": c.hits, "misses": c.misses,
@@ -232,7 +235,10 @@ class Engine:
                 "conversation_cache": {"enabled": t.enabled, "hit_pages": t.hit_pages,
                                        "inserts": t.inserts, "evictions": t.evictions,
                                        "pages": len(t.pages),
-                                       "pinned": sum(1 for p in t.pages.values() if p.pins)}}
+                                       "pinned": sum(1 for p in t.pages.values() if p.pins)},
+                "adapters": {"slots": self.max_adapters, "loaded": len(self.adapters),
+                             "slots_in_use": self.sched.adapters.in_use(),
+                             "slot_loads": self.sched.adapters.loads}}
 
     def submit(self, req: Request) -> Handle:
         """Queue a request; never blocks on the device.  A request that cannot run fails

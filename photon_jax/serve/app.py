@@ -211,6 +211,13 @@ class Server:
         schema compiles for up to ~0.2 s, which must not hold the event loop."""
         if not settings:
             return
+        v = settings.get("variant")
+        if v not in (None, "") and isinstance(v, str) and v not in md.engine.adapters:
+            # Never fetched on a client's word (a download, disk and a slot per id): the
+            # server runs the adapters it was started with.
+            raise bad(f"variant {v[:80]!r} is not loaded on this server; loaded: "
+                      f"{md.adapters[:20]} (start it with --adapter NAME=PATH)",
+                      param or "variant")
         try:
             await asyncio.get_running_loop().run_in_executor(self.intake.pool,
                                                              md.check_settings, settings)
