@@ -40,7 +40,7 @@ from .engine.core import Engine
 from .engine.frontend import EncodedImage, PreparedImage, prepare_image
 from .engine.request import EngineError, Handle, Request, RequestError
 from .engine.settings import SettingsError, parse
-from .model import platforms, sharding
+from .model import lora, platforms, sharding
 from .model.config import MoondreamConfig, Weights
 from .model.loaded import Model
 from .model import pixels
@@ -171,11 +171,17 @@ class Moondream:
         path = sources.resolve(path, revision=revision, dtype=dtype)
         if compile_cache:
             compile_cache_mod.enable()
+        registry = {}
+
         def preflight(cfg, dev):
-            # Weights + pool + slots + workspace against the device's free memory, before
-            # a byte of the weights is placed: refused with the numbers, not mid-run.  (Bad
-            # argument types are left to the engine, whose errors name them; kv_dtype is
-            # checked here, before the weights load.)
+            # Adapters checked against the config and weights + pool + slots + workspace
+            # against the device's free memory, before a byte of the weights is placed:
+            # refused by name or with the numbers, not mid-run.  (Bad argument types are
+            # left to the engine, whose errors name them; kv_dtype is checked here, before
+            # the weights load.)
+            for name, p in (adapters or {}).items():
+                registry[name] = adapters_mod.read_adapter(p, cfg, name=name,
+                                                           max_rank=max_lora_rank)
             kv = kvpool.canonical_kv_dtype(kv_dtype, cfg.dtype)
             if not isinstance(max_batch_size, int) or not isinstance(max_context or 0, int):
                 return
@@ -184,21 +190,16 @@ class Moondream:
                                      max_context=max_context or cfg.text.max_context,
                                      page_size=64, kv_cache_tokens=kv_cache_tokens,
                                      free=memory.device_free(dev), kv_dtype=kv,
-                                     mesh_size=1 if mesh is None else mesh.size),
+                                     mesh_size=1 if mesh is None else mesh.size,
+                                     adapter_bytes=lora.table_bytes(cfg, max_adapters,
+                                                                    max_lora_rank)
+                                     if isinstance(max_adapters, int) and max_adapters > 0
+                                     and isinstance(max_lora_rank, int) else 0),
                          cfg, max_context=max_context or cfg.text.max_context,
                          weights_loaded=False)
 
         model = Model.load(os.fspath(path), dtype=dtype, device=device, attention=attention,
                            mesh=mesh, weights=weights, preflight=preflight)
-        registry = {}
-        try:
-            for name, p in (adapters or {}).items():
-                registry[name] = adapters_mod.read_adapter(p, model.cfg, name=name,
-                                                           max_rank=max_lora_rank)
-        except BaseException:
-            for leaf in jax.tree.leaves(model.params):
-                leaf.delete()
-            raise
         engine = Engine(model, max_batch_size=max_batch_size, max_context=max_context,
                         kv_cache_tokens=kv_cache_tokens, prefix_cache=prefix_cache,
                         pipelined=pipelined, workers=workers, warmup=warmup,

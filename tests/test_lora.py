@@ -269,3 +269,20 @@ def test_photon_caption_with_an_adapter(md, tiny_ckpt, tmp_path):
     got = {json.loads(x)["path"]: json.loads(x)["caption"] for x in jl.read_text().splitlines()}
     s = {"temperature": 0, "max_tokens": 10, "variant": "ft-beta@7"}
     assert got == {os.path.abspath(p): md.caption(p, settings=s)["caption"] for p in (SQ, LAND)}
+
+
+def test_a_bad_adapter_given_to_load_is_refused_before_the_weights_load(tiny_ckpt, tmp_path,
+                                                                        monkeypatch):
+    """Moondream.load(adapters=...) checks every adapter against the config first (in the
+    load's preflight, before the weights are read): a bad one is refused by name and no
+    model is built."""
+    from photon_jax.model import loaded
+
+    placed = []
+    real = loaded.Model.__init__
+    monkeypatch.setattr(loaded.Model, "__init__",
+                        lambda self, *a, **k: (placed.append(1), real(self, *a, **k))[1])
+    bad = write_lora(tmp_path / "wide.safetensors", 4, 0, dim=128)
+    with pytest.raises(AdapterError, match="'wide'.*do not fit"):
+        Moondream.load(tiny_ckpt, adapters={"wide": bad})
+    assert placed == []
