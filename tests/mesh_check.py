@@ -24,6 +24,7 @@ import helpers  # noqa: E402
 from helpers import GREEDY, LAND, MD3_BIASES, SQ  # noqa: E402
 from photon_jax import Moondream  # noqa: E402
 from photon_jax.engine.core import Engine  # noqa: E402
+from photon_jax.engine.stepmeta import M_TABLE  # noqa: E402
 from photon_jax.model import Model  # noqa: E402
 
 FIX = os.path.dirname(helpers.FIXTURE_DIR)
@@ -113,7 +114,8 @@ def collectives(model: Model, rows: int) -> list:
 
     eng = Engine(model, max_batch_size=rows, kv_cache_tokens=2048)
     try:
-        meta = jax.device_put(np.zeros((4 + eng.max_pages, rows), np.int32), model.placement)
+        meta = jax.device_put(np.zeros((M_TABLE + eng.max_pages, rows), np.int32),
+                              model.placement)
         pages = jax.device_put(np.zeros((2, 1), np.int32), model.placement)
         hlo = eng.programs.forward.lower(model.params, eng.dev.pool, eng.dev.slots[0],
                                          eng.dev.pending, meta, pages).compile().as_text()
