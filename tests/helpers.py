@@ -6,6 +6,7 @@ against the one-request path, and the parity checks against the reference's gold
 Imports nothing from JAX at module level (conftest imports this before it sets JAX's
 environment)."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -454,11 +455,13 @@ ENGINE_IMAGES = [os.path.join(FIXTURE_DIR, f) for f in ("img_land800x600.png",
                                                        "img_sq378.png")]
 
 
-def workload(model, encoded, seed, n):
+def workload(model, encoded, seed, n, adapters=None):
     """Random mixed requests over ENGINE_IMAGES (`encoded`: their reference encodings):
     (Request, the one-request path's output).  "shared" requests are text-only behind one
     145-token system prompt (two full pages of 64): once one of them has finished, the
-    others read its pages from the conversation cache, and must still equal the reference."""
+    others read its pages from the conversation cache, and must still equal the reference.
+    `adapters` (name -> LoRA `Adapter`): half the requests, drawn after the rest, name one
+    (those with an image pass its path: an encoded prefix is the base model's)."""
     from photon_jax.engine.request import Request
     from photon_jax.engine.settings import Settings
 
@@ -485,23 +488,32 @@ def workload(model, encoded, seed, n):
         else:
             req = Request(kind, (pr.detect if kind == "detect" else pr.point)(
                 f"w{rng.integers(50, 900)}"), image, s)
-        out.append((req, reference_output(model, encoded, req)))
+        if adapters and rng.random() < 0.5:
+            req.settings = dataclasses.replace(s, variant=str(rng.choice(sorted(adapters))))
+            if req.image is not None:
+                req.image = ENGINE_IMAGES[k]
+        out.append((req, reference_output(model, encoded, req, adapters)))
     return out
 
 
-def reference_output(model, encoded, req):
-    """What the one-request reference path gives `req`, in the engine's result form."""
+def reference_output(model, encoded, req, adapters=None):
+    """What the one-request reference path gives `req`, in the engine's result form (under
+    its LoRA adapter, looked up in `adapters`, if it names one)."""
     from photon_jax.engine import reference
     from photon_jax.engine.frontend import ImagePrefix
 
-    enc = None if req.image is None else (
-        req.image if isinstance(req.image, ImagePrefix)
-        else encoded[ENGINE_IMAGES.index(req.image)])
+    adapter = None if req.settings.variant is None else adapters[req.settings.variant]
+    if adapter is not None and req.image is not None:
+        enc = reference.encode_image(model, req.image, adapter=adapter)
+    else:
+        enc = None if req.image is None else (
+            req.image if isinstance(req.image, ImagePrefix)
+            else encoded[ENGINE_IMAGES.index(req.image)])
     if req.skill == "text":
-        r = reference.generate_text(model, enc, req.prompt, req.settings)
+        r = reference.generate_text(model, enc, req.prompt, req.settings, adapter=adapter)
         return {"text": r["text"], "ids": r["ids"], "finish_reason": r["finish_reason"]}
     r = reference.generate_points(model, enc, req.prompt, with_size=req.skill == "detect",
-                                  max_objects=req.settings.max_objects)
+                                  max_objects=req.settings.max_objects, adapter=adapter)
     return {"objects": r["objects"], "finish_reason": r["finish_reason"]}
 
 

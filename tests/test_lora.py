@@ -286,3 +286,53 @@ def test_a_bad_adapter_given_to_load_is_refused_before_the_weights_load(tiny_ckp
     with pytest.raises(AdapterError, match="'wide'.*do not fit"):
         Moondream.load(tiny_ckpt, adapters={"wide": bad})
     assert placed == []
+
+
+def test_the_one_request_path_with_an_adapter_gives_the_reference_ids(md):
+    """The oracle the randomized workloads compare with (engine/reference.py) applies an
+    adapter as the reference does: its caption and query ids are the goldens'."""
+    from photon_jax.engine import reference
+
+    model = md.engine.model
+    a = md.engine.adapters["ft-beta@7"]
+    s = Settings(temperature=0, max_tokens=GOLDEN["settings"]["max_tokens"])
+    for image_id, path in IMAGES.items():
+        enc = reference.encode_image(model, path, adapter=a)
+        want = GOLDEN["runs"]["ft-beta@7"][image_id]
+        got = reference.generate_text(model, enc, model.prompts.caption("short"), s,
+                                      adapter=a)
+        assert got["ids"] == want["caption_short"]["ids"]
+        got = reference.generate_text(model, enc, model.prompts.query(
+            GOLDEN["settings"]["question"]), s, adapter=a)
+        assert got["ids"] == want["query"]["ids"]
+
+
+@pytest.mark.parametrize("seed", [0])
+def test_random_mixed_workloads_with_adapters_equal_the_one_request_path(tiny_ckpt, tmp_path,
+                                                                         seed):
+    """Random mixed requests (captions, queries, text-only, detect, point, a shared system
+    prompt; image paths and encoded prefixes) of which half name one of three adapters, in
+    staggered waves through 2 adapter slots and 3 rows, pipelined and blocking: every
+    result equals the one-request path under the request's adapter (prefix and
+    conversation caches shared across adapters would break this)."""
+    from helpers import ENGINE_IMAGES, biased_model, run_in_waves, strip, workload
+
+    from photon_jax.engine import reference
+
+    model = biased_model(tiny_ckpt, {0: 0.8})
+    adapters = {v: read_adapter(FINAL_PT[v], model.cfg, name=v, max_rank=8) for v in VARIANTS}
+    adapters["gamma"] = read_adapter(write_lora(tmp_path / "g.safetensors", 3, 21),
+                                     model.cfg, name="gamma", max_rank=8)
+    encoded = [reference.encode_image(model, p) for p in ENGINE_IMAGES]
+    items = workload(model, encoded, seed, 14, adapters=adapters)
+    reqs = [r for r, _ in items]
+    assert 4 <= sum(r.settings.variant is not None for r in reqs) <= 10
+    for pipelined in (True, False):
+        eng = Engine(model, max_batch_size=3, pipelined=pipelined, max_adapters=2,
+                     max_lora_rank=8, adapters=adapters)
+        try:
+            got = run_in_waves(eng, reqs)
+        finally:
+            eng.close()
+        assert [strip(g) for g in got] == [w for _, w in items]
+        assert eng.sched.adapters.in_use() == 0 and eng.sched.adapters.loads >= 3

@@ -15,9 +15,11 @@ parsed by `skills.parse_segment`.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..model import lora
 from ..model.config import KIND_COORD, KIND_SIZE, KIND_TOKEN
 from ..model.loaded import Model
 from ..model.text import init_cache
@@ -36,12 +38,26 @@ class ContextOverflow(ValueError):
     pass
 
 
-def encode_image(model: Model, img, trace: dict | None = None) -> ImagePrefix:
-    """An image's prefix K/V, dense (an `ImagePrefix` is returned as is)."""
+def adapter_tables(model: Model, adapter) -> tuple:
+    """(slot tables holding `adapter` in slot 1, the slot as a [1] array): the arguments
+    that apply a LoRA adapter (`convert.adapters.Adapter`) to a one-row program; () for
+    None."""
+    if adapter is None:
+        return ()
+    tables = lora.write_slot(lora.init_tables(model.cfg, 1, adapter.rank), 1,
+                             jax.tree.map(jnp.asarray, adapter.padded(adapter.rank,
+                                                                      np.float32)))
+    return jax.device_put(tables, model.placement), np.ones(1, _I32)
+
+
+def encode_image(model: Model, img, trace: dict | None = None, adapter=None) -> ImagePrefix:
+    """An image's prefix K/V, dense (an `ImagePrefix` is returned as is), computed under
+    `adapter` (a LoRA adapter, as the reference prefills the image through it) if given."""
     if isinstance(img, ImagePrefix):
         return img
     prep = prepare_image(model, img)
-    enc = encode_prepared(step.programs_of(model).image_kv, model.params, prep)
+    enc = encode_prepared(step.programs_of(model).image_kv, model.params, prep,
+                          *adapter_tables(model, adapter))
     if trace is not None:
         feats, emb = step.oracle_of(model).encode_image(model.params, prep.crops, prep.src,
                                                         prep.ph, prep.pw)
@@ -55,8 +71,10 @@ class _Session:
     the MoE routing of the prompt's last position and of every decode step is collected in
     `self.routes`."""
 
-    def __init__(self, model: Model, enc: ImagePrefix | None, routes: bool = False):
+    def __init__(self, model: Model, enc: ImagePrefix | None, routes: bool = False,
+                 adapter=None):
         self.m, self.P, self.cfg = model, step.oracle_of(model), model.cfg
+        self.lora = adapter_tables(model, adapter)   # the programs' last arguments
         self.routes = [] if routes and self.cfg.text.n_moe else None
         self.cache = init_cache(self.cfg, rows=1)
         if enc is not None:
@@ -91,7 +109,7 @@ class _Session:
         prog = self.P.prefill if self.routes is None else self.P.prefill_routes
         self.cache, hid, last, lg, *routes = prog(
             self.m.params, self.cache, emb, pos, self.rows, self.prefix_R,
-            np.full(1, t - 1, _I32), kv_bucket(self.pos + tb, self.max_context))
+            np.full(1, t - 1, _I32), kv_bucket(self.pos + tb, self.max_context), *self.lora)
         self._keep(routes)
         self.pos += t
         return hid[0, :t], last, lg
@@ -116,7 +134,7 @@ class _Session:
         self.cache, h, lg, *routes = prog(
             self.m.params, self.cache, np.full(1, kind, _I32), np.full(1, token, _I32),
             np.asarray([value], np.float32), np.full(1, self.pos, _I32), self.rows,
-            self.prefix_R, kv_bucket(self.pos + 1, self.max_context))
+            self.prefix_R, kv_bucket(self.pos + 1, self.max_context), *self.lora)
         self._keep(routes)
         self.pos += 1
         return h, lg
@@ -175,13 +193,15 @@ def _reason(model: Model, sess: _Session, h, lg, s: Settings, sample: _Sampler):
 
 
 def iter_text(model: Model, enc: ImagePrefix | None, prompt: list[int], s: Settings,
-              trace: dict | None = None, region=None, reasoning: bool = False):
+              trace: dict | None = None, region=None, reasoning: bool = False, adapter=None):
     """Caption / query answer as a generator of flushed text pieces (the reference's streaming
     rules).  Its return value (StopIteration.value) is {"text", "ids", "finish_reason"} and,
-    with `reasoning`, "reasoning": {"text", "grounding"} (computed before the first piece)."""
+    with `reasoning`, "reasoning": {"text", "grounding"} (computed before the first piece).
+    `adapter`: a LoRA adapter applied to the prompt and the answer (`enc` made under it
+    too: `encode_image(..., adapter=)`)."""
     cfg = model.cfg
     tok_cfg = cfg.tokenizer
-    sess = _Session(model, enc, routes=trace is not None)
+    sess = _Session(model, enc, routes=trace is not None, adapter=adapter)
     hid, last, lg = sess.prefill(prompt, region)
     sample = _Sampler(model, s)
     if trace is not None:
@@ -227,9 +247,10 @@ def iter_text(model: Model, enc: ImagePrefix | None, prompt: list[int], s: Setti
 
 
 def generate_text(model: Model, enc: ImagePrefix | None, prompt: list[int], s: Settings,
-                  trace: dict | None = None, region=None, reasoning: bool = False) -> dict:
+                  trace: dict | None = None, region=None, reasoning: bool = False,
+                  adapter=None) -> dict:
     """iter_text run to completion: {"text", "ids", "finish_reason"[, "reasoning"]}."""
-    gen = iter_text(model, enc, prompt, s, trace, region, reasoning)
+    gen = iter_text(model, enc, prompt, s, trace, region, reasoning, adapter)
     while True:
         try:
             next(gen)
@@ -238,12 +259,12 @@ def generate_text(model: Model, enc: ImagePrefix | None, prompt: list[int], s: S
 
 
 def generate_points(model: Model, enc: ImagePrefix, prompt: list[int], *, with_size: bool,
-                    max_objects: int, trace: dict | None = None) -> dict:
+                    max_objects: int, trace: dict | None = None, adapter=None) -> dict:
     """detect (with_size) / point.  Returns {"objects": [...], "bins": [...],
     "finish_reason"}."""
     cfg, P = model.cfg, step.oracle_of(model)
     eos = cfg.tokenizer.eos_id
-    sess = _Session(model, enc, routes=trace is not None)
+    sess = _Session(model, enc, routes=trace is not None, adapter=adapter)
     hid, h, lg = sess.prefill(prompt)
     per_object = 3 if with_size else 2
     objects, bins, steps = [], [], []

@@ -294,13 +294,20 @@ def image_kv(params, crops_u8, src, ph, pw, adapters=None, slot_1=None, *,
     return cache.k[:, 0], cache.v[:, 0]
 
 
-def prefill(params, cache, embeds_RTD, pos_RT, rows_R, prefix_R, last_R, kv_len, *,
-            cfg: MoondreamConfig, with_routes=False, grouped="blocks"):
+def _rows(adapters, slot_R):
+    return None if adapters is None else lora.Rows(adapters, slot_R)
+
+
+def prefill(params, cache, embeds_RTD, pos_RT, rows_R, prefix_R, last_R, kv_len,
+            adapters=None, slot_R=None, *, cfg: MoondreamConfig, with_routes=False,
+            grouped="blocks"):
     """Dense-cache prefill (the one-request path) -> (cache, hidden, last hidden, logits).
     `with_routes` (parity traces): also the MoE routing at each row's last position,
-    (ids, weights) each [Lm, R, k]."""
+    (ids, weights) each [Lm, R, k].  `adapters`, `slot_R`: LoRA slot tables and each
+    row's slot (`lora`; None: none)."""
     hidden, cache, routes = forward(params["text"], cfg.text, embeds_RTD, pos_RT, cache,
-                                    DenseAccess(rows_R, prefix_R, kv_len), grouped)
+                                    DenseAccess(rows_R, prefix_R, kv_len), grouped,
+                                    lora=_rows(adapters, slot_R))
     last = jnp.take_along_axis(hidden, last_R[:, None, None], axis=1)[:, 0]
     out = (cache, hidden, last, logits(params["text"], last))
     if not with_routes:
@@ -310,14 +317,16 @@ def prefill(params, cache, embeds_RTD, pos_RT, rows_R, prefix_R, last_R, kv_len,
     return (*out, at_last)
 
 
-def decode(params, cache, kind_R, token_R, value_R2, pos_R, rows_R, prefix_R, kv_len, *,
-           cfg: MoondreamConfig, with_routes=False, grouped="blocks"):
+def decode(params, cache, kind_R, token_R, value_R2, pos_R, rows_R, prefix_R, kv_len,
+           adapters=None, slot_R=None, *, cfg: MoondreamConfig, with_routes=False,
+           grouped="blocks"):
     """Dense-cache decode of one input per row (the one-request path) -> (cache, hidden,
     logits).  `with_routes` (parity traces): also the MoE routing, (ids, weights) each
-    [Lm, R, k]."""
+    [Lm, R, k].  `adapters`, `slot_R`: as `prefill`'s."""
     x = input_embeddings(params, kind_R, token_R, value_R2, cfg=cfg)[:, None]
     hidden, cache, routes = forward(params["text"], cfg.text, x, pos_R[:, None], cache,
-                                    DenseAccess(rows_R, prefix_R, kv_len), grouped)
+                                    DenseAccess(rows_R, prefix_R, kv_len), grouped,
+                                    lora=_rows(adapters, slot_R))
     h = hidden[:, 0]
     out = (cache, h, logits(params["text"], h))
     if not with_routes:
