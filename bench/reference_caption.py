@@ -83,6 +83,15 @@ reference repository; the torch venv: `python3 -m venv /work/refvenv &&
       --out $D/reference.jsonl
   # --out with two dtypes writes $D/reference-float32.jsonl and $D/reference-bfloat16.jsonl
 
+With a LoRA adapter (the reference loads it as a published variant, from its cache folder):
+
+  /work/refvenv/bin/python bench/reference_caption.py --reference-src /work/refsrc/moondream \\
+      --hf-dir $D/hf --images $D/images --max-tokens 64 --dtype float32 --lora-rank 8 \\
+      --adapter-out $D/lora8.pt --out $D/reference-lora8.jsonl
+  .venv/bin/photon-caption $D/images --model $D/ckpt-f32 --max-tokens 64 --batch-size 32 \\
+      --adapter bench=$D/lora8.pt --variant bench --max-lora-rank 8 --no-sidecar \\
+      --jsonl $D/photon-lora8.jsonl --quiet --overwrite
+
 Greedy float32 captions of the two should be identical token for token (a near-tie of two
 logits could flip one on some weights; bfloat16 ones are only expected to agree mostly, the
 two round differently).
@@ -374,14 +383,14 @@ class Reference:
                              f"({missing[:5]})")
         return len(seen)
 
-    def caption(self, path: str, max_tokens: int) -> dict:
+    def caption(self, path: str, max_tokens: int, variant: str | None = None) -> dict:
         from PIL import Image, ImageOps
 
         with Image.open(path) as im:
             image = ImageOps.exif_transpose(im)
             image.load()
         self.embedded.clear()
-        settings = {"max_tokens": max_tokens, "temperature": 0.0, "variant": None}
+        settings = {"max_tokens": max_tokens, "temperature": 0.0, "variant": variant}
         with self.torch.inference_mode():
             text = self.model.caption(image, length="normal", settings=settings)["caption"]
         prompt = self.config.tokenizer.templates["caption"]["normal"]
@@ -406,7 +415,7 @@ def run_pass(args, dtype: str, name: str, paths: list[str], check: bool):
     t1 = time.perf_counter()
     records, tokens = [], 0
     for p in paths:
-        r = ref.caption(p, args.max_tokens)
+        r = ref.caption(p, args.max_tokens, VARIANT if args.lora_rank else None)
         tokens += r["output_tokens"]
         records.append({"path": p, **r})
     cap_s = time.perf_counter() - t1
@@ -415,10 +424,44 @@ def run_pass(args, dtype: str, name: str, paths: list[str], check: bool):
            "images_per_s": round(len(paths) / cap_s, 3),
            "tokens_per_s": round(tokens / cap_s, 1),
            "wall_s": round(load_s + cap_s, 2), "load_s": round(load_s, 2),
-           "threads": torch.get_num_threads(), "torch": torch.__version__}
+           "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "lora_rank": args.lora_rank}
     del ref
     gc.collect()
     return row, records
+
+
+VARIANT = "bench-lora@1"
+
+
+def write_adapter(hf_dir: str, rank: int, out: str) -> str:
+    """A random LoRA adapter for the snapshot's text model, saved as a published variant's
+    final.pt (a flat state dict under the training code's names, float32), and placed in a
+    temporary HF_HUB_CACHE's md_variants/VARIANT/, where the reference looks it up."""
+    import numpy as np
+    import torch
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        t = json.load(f)["config"]["text"]
+    d, ff, nh = t["dim"], t["ff_dim"], t["n_heads"]
+    nkv = t.get("n_kv_heads") or nh
+    dims = {"mixer.Wqkv": (d, (nh + 2 * nkv) * (d // nh)), "mixer.out_proj": (d, d),
+            "mlp.fc1": (d, ff), "mlp.fc2": (ff, d)}
+    rng = np.random.default_rng(rank)
+    sd = {}
+    for i in range(t["n_layers"]):
+        for name, (ind, outd) in dims.items():
+            key = f"text_model.transformer.h.{i}.{name}.parametrizations.weight.0."
+            sd[key + "A"] = torch.from_numpy(
+                (rng.standard_normal((rank, ind)) / np.sqrt(ind)).astype(np.float32))
+            sd[key + "B"] = torch.from_numpy(
+                (rng.standard_normal((outd, rank)) * 0.5 / np.sqrt(rank)).astype(np.float32))
+    torch.save(sd, out)
+    cache = tempfile.mkdtemp(prefix="refbench-hub-")
+    os.makedirs(os.path.join(cache, "md_variants", VARIANT))
+    shutil.copyfile(out, os.path.join(cache, "md_variants", VARIANT, "final.pt"))
+    os.environ["HF_HUB_CACHE"] = cache
+    return out
 
 
 def caption_main(args) -> int:
@@ -426,6 +469,11 @@ def caption_main(args) -> int:
 
     torch.set_num_threads(args.threads)
     paths = list_images(args.images)
+    if args.lora_rank:
+        out = args.adapter_out or os.path.join(tempfile.mkdtemp(), "final.pt")
+        write_adapter(args.hf_dir, args.lora_rank, out)
+        print(f"wrote the adapter {out} (rank {args.lora_rank}); captioning with "
+              f"variant {VARIANT}", file=sys.stderr)
     for dtype in args.dtype:
         for i, name in enumerate(args.passes):
             row, records = run_pass(args, dtype, name, paths, check=i == 0)
@@ -471,6 +519,13 @@ def main(argv=None) -> int:
                     help="torch intra-op threads (default: every core)")
     ap.add_argument("--out", metavar="FILE.jsonl",
                     help="the last pass's captions (with several --dtype: FILE-<dtype>.jsonl)")
+    ap.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                    help="caption under a random LoRA adapter of rank R, written as a "
+                         "variant's final.pt and loaded by the reference from its cache "
+                         "folder (settings variant); float32 only (the adapter is float32)")
+    ap.add_argument("--adapter-out", metavar="FILE.pt",
+                    help="with --lora-rank: where the adapter is kept (for photon-caption "
+                         "--adapter NAME=FILE.pt --variant NAME)")
     args = ap.parse_args(argv)
     if args.write_hf:
         write_hf(args.write_hf, args.config, args.check)
@@ -480,6 +535,9 @@ def main(argv=None) -> int:
         return 0
     if not args.images:
         ap.error("--hf-dir needs --images DIR")
+    if args.lora_rank and args.dtype != ["float32"]:
+        ap.error("--lora-rank needs --dtype float32 (the reference's F.linear refuses a "
+                 "float32 adapter in a bfloat16 model)")
     return caption_main(args)
 
 
