@@ -175,12 +175,14 @@ def stacked(a, steps: int):
     return jax.ShapeDtypeStruct((steps, *a.shape), a.dtype)
 
 
-def program_rows(device, batch: int, models, weights=None):
+def program_rows(device, batch: int, models, weights=None, lora_slots: int = 0,
+                 lora_rank: int = 16):
     import jax
     import numpy as np
 
     from common import CONFIGS, with_weights
     from photon_jax.engine import step as step_mod, stepmeta as M
+    from photon_jax.model import lora
 
     page = 64
     for name in models:
@@ -192,12 +194,23 @@ def program_rows(device, batch: int, models, weights=None):
         P = step_mod.build_for(cfg, "gpu")
         info = {"model": name, "batch": batch, "kv_cache_tokens": a["plan"].kv_cache_tokens,
                 "weights": cfg.weights.describe(), "weights_bytes": a["plan"].weights}
+        # LoRA slot tables (docs/lora.md): the programs' last argument, when asked for.
+        ad = ()
+        if lora_slots:
+            tables = jax.eval_shape(lambda: lora.init_tables(cfg, lora_slots, lora_rank))
+            ad = (tables,)
+            info.update(lora_slots=lora_slots, lora_rank=lora_rank,
+                        lora_bytes=lora.table_bytes(cfg, lora_slots, lora_rank))
+            one = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape[1:], np.float32), tables)
+            yield compile_row("program", P.write_adapter,
+                              (tables, jax.ShapeDtypeStruct((), np.int32), one), device,
+                              program="write_adapter", **info)
         yield compile_row("program", P.forward, (params, dev.pool, dev.slots[0], dev.pending,
-                                                 a["meta"], a["owners"]), device,
+                                                 a["meta"], a["owners"], 1, *ad), device,
                           program="forward", **info)
         # The most splits, in the whole step (a batch this size plans 1; small ones more).
         yield compile_row("program", P.forward, (params, dev.pool, dev.slots[0], dev.pending,
-                                                 a["meta"], a["owners"], 16), device,
+                                                 a["meta"], a["owners"], 16, *ad), device,
                           program="forward_s16", **info)
         for (stochastic, region), prog in P.sample_step.items():
             yield compile_row("program", prog, (params, dev.slots[0], dev.pending,
@@ -211,7 +224,7 @@ def program_rows(device, batch: int, models, weights=None):
                           device, program="sample_step_masked", **info)
         yield compile_row("program", P.ceiling, (params, dev.pool, dev.slots[0], dev.pending,
                                                  dev.tables, stacked(a["meta"], 4),
-                                                 stacked(a["owners"], 4), a["samp"]),
+                                                 stacked(a["owners"], 4), a["samp"], 1, *ad),
                           device, program="ceiling", **info)
         # A prompt of 64 tokens after the image prefix, for 8 rows at once (the slot's rows
         # at most).
@@ -224,7 +237,7 @@ def program_rows(device, batch: int, models, weights=None):
         ids = np.zeros((rows, prompt), np.int32)
         yield compile_row("program", P.prefill_slot,
                           (params, dev.pool, dev.slots[0], ids, ids,
-                           np.zeros((rows, prompt, 2), np.float32), pre, write, table),
+                           np.zeros((rows, prompt, 2), np.float32), pre, write, table, *ad),
                           device, program="prefill_slot", rows=rows, **info)
         # An image prefix into pool pages (a cache miss), and a hit's partial-page copy.
         t = cfg.text
@@ -235,10 +248,11 @@ def program_rows(device, batch: int, models, weights=None):
                           program="write_prefix_pages", **info)
         yield compile_row("program", P.copy_pages, (dev.pool, at[:1], at[:1]), device,
                           program="copy_pages", **info)
-        yield from image_rows(P, params, cfg, device, info)
+        yield from image_rows(P, params, cfg, device, info,
+                              ad + ((np.ones(1, np.int32),) if ad else ()))
 
 
-def image_rows(P, params, cfg, device, info):
+def image_rows(P, params, cfg, device, info, adapter=()):
     """The image prefix of a 1200 x 900 photo: its crops through the vision encoder to the
     prefix K/V."""
     import numpy as np
@@ -249,8 +263,8 @@ def image_rows(P, params, cfg, device, info):
     rgb = Image.fromarray(np.zeros((900, 1200, 3), np.uint8))
     crops = image_mod.make_crops(rgb, cfg.vision)
     src, ph, pw = image_mod.pool_operands(crops.tiling, cfg.vision)
-    yield compile_row("program", P.image_kv, (params, crops.crops, src, ph, pw), device,
-                      program="image_kv", crops=int(crops.crops.shape[0]), **info)
+    yield compile_row("program", P.image_kv, (params, crops.crops, src, ph, pw, *adapter),
+                      device, program="image_kv", crops=int(crops.crops.shape[0]), **info)
 
 
 def ptxas_rows(dump: str):
@@ -292,6 +306,10 @@ def main() -> None:
                     help="lower for CUDA instead of compiling (no plugin needed: the tests)")
     ap.add_argument("--weights", default=None, choices=WEIGHT_CHOICES,
                     help="quantized weights (fp8-experts: Moondream 3.1's published layout)")
+    ap.add_argument("--lora-slots", type=int, default=0, metavar="N",
+                    help="compile the programs with N LoRA adapter slots (docs/lora.md)")
+    ap.add_argument("--lora-rank", type=int, default=16, metavar="R",
+                    help="with --lora-slots: the slots' rank")
     ap.add_argument("--ptxas", metavar="DIR",
                     help="dump XLA's PTX to DIR and report each kernel's registers and "
                          "spills (ptxas -v)")
@@ -304,7 +322,8 @@ def main() -> None:
     for row in kernel_rows(device, tuple(args.kv_dtype)):
         print(json.dumps({**row, **env}), flush=True)
     if not args.kernel_only:
-        for row in program_rows(device, args.batch, args.models, args.weights):
+        for row in program_rows(device, args.batch, args.models, args.weights,
+                                args.lora_slots, args.lora_rank):
             print(json.dumps({**row, **env}), flush=True)
     if args.ptxas and device is not None:
         for row in ptxas_rows(args.ptxas):
