@@ -203,15 +203,17 @@ def serving_args(cfg, batch: int, chip: str | None, kv_cache_tokens=None,
             "samp": jax.ShapeDtypeStruct((step_mod.S_ALLOW + 1, batch), jnp.int32)}
 
 
-def program_calls(cfg, a: dict, batch: int, grouped: str | None = None, tp=None):
+def program_calls(cfg, a: dict, batch: int, grouped: str | None = None, tp=None,
+                  lora_slots: int = 0, lora_rank: int = 16):
     """(name, fields, program, abstract args) of every serving program (`tp`: the engine's
-    over a mesh, `sharding.TensorParallel`)."""
+    over a mesh, `sharding.TensorParallel`; `lora_slots`: with that many LoRA adapter
+    slots of rank `lora_rank`, docs/lora.md)."""
     import jax
     import numpy as np
     from PIL import Image
 
     from photon_jax.engine import step as step_mod, stepmeta as M
-    from photon_jax.model import pixels as image_mod, platforms
+    from photon_jax.model import lora, pixels as image_mod, platforms
 
     mesh = {"tp": tp} if tp is not None else {}
     P = step_mod.build_for(cfg, "tpu", ATTENTION, **mesh)
@@ -219,9 +221,12 @@ def program_calls(cfg, a: dict, batch: int, grouped: str | None = None, tp=None)
         P = step_mod.build(cfg, ATTENTION, grouped=grouped,
                            vision_loop=platforms.default_vision_loop("tpu"), **mesh)
     params, dev = a["params"], a["dev"]
+    ad = ()   # the LoRA slot tables, the programs' last argument
+    if lora_slots:
+        ad = (jax.eval_shape(lambda: lora.init_tables(cfg, lora_slots, lora_rank)),)
     for rows, meta in a["meta"].items():
         yield "forward", {"rows": rows}, P.forward, (params, dev.pool, dev.slots[0],
-                                                    dev.pending, meta, a["owners"])
+                                                    dev.pending, meta, a["owners"], 1, *ad)
     for (stochastic, region), prog in P.sample_step.items():
         yield (f"sample_step{stochastic, region}", {"rows": batch}, prog,
                (params, dev.slots[0], dev.pending, dev.tables, a["samp"]))
@@ -241,7 +246,7 @@ def program_calls(cfg, a: dict, batch: int, grouped: str | None = None, tp=None)
         ids = np.zeros((rows, prompt), np.int32)
         yield "prefill_slot", {"rows": rows, "prompt": prompt}, P.prefill_slot, (
             params, dev.pool, dev.slots[0], ids, ids, np.zeros((rows, prompt, 2), np.float32),
-            pre, write, table)
+            pre, write, table, *ad)
     t = cfg.text
     kv = jax.ShapeDtypeStruct((t.n_layers, cfg.prefix_len, t.n_kv_heads, t.head_dim),
                               cfg.dtype)
@@ -255,7 +260,8 @@ def program_calls(cfg, a: dict, batch: int, grouped: str | None = None, tp=None)
     n = int(crops.crops.shape[0])
     yield "encode_image", {"crops": n}, step_mod.oracle_for(cfg, "tpu").encode_image, (
         params, crops.crops, src, ph, pw)
-    yield "image_kv", {"crops": n}, P.image_kv, (params, crops.crops, src, ph, pw)
+    yield "image_kv", {"crops": n}, P.image_kv, (params, crops.crops, src, ph, pw, *ad,
+                                                 *((np.ones(1, np.int32),) if ad else ()))
 
 
 def cost_rows(models, batch: int, contexts=(1024, 2048), kv_dtype: str | None = None):
@@ -415,6 +421,9 @@ def main() -> None:
                     help="an 8-bit KV pool (default: bfloat16, the model's dtype)")
     ap.add_argument("--weights", default=None, choices=WEIGHT_CHOICES,
                     help="quantized weights (fp8-experts: Moondream 3.1's published layout)")
+    ap.add_argument("--lora-slots", type=int, default=0, metavar="N",
+                    help="compile the programs with N LoRA adapter slots (docs/lora.md)")
+    ap.add_argument("--lora-rank", type=int, default=16, metavar="R")
     ap.add_argument("--cost-model", action="store_true",
                     help="only the decode byte model (no compiles, no libtpu)")
     ap.add_argument("--lower-only", action="store_true",
@@ -463,8 +472,11 @@ def main() -> None:
                 "kv_cache_tokens": a["plan"].kv_cache_tokens,
                 "weights": cfg.weights.describe(), "weights_bytes": a["plan"].weights,
                 "kv_dtype": args.kv_dtype or "bfloat16"}
+        if args.lora_slots:
+            info.update(lora_slots=args.lora_slots, lora_rank=args.lora_rank)
         for prog, fields, fn, call_args in program_calls(cfg, a, batch, args.grouped,
-                                                         None if topology is None else tp):
+                                                         None if topology is None else tp,
+                                                         args.lora_slots, args.lora_rank):
             if args.programs and prog not in args.programs:
                 continue
             if args.rows and prog in ("forward", "prefill_slot") and \
