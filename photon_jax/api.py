@@ -509,7 +509,7 @@ class Moondream:
               n: int = 1) -> "_Call":
         """`chat`'s requests.  `n` > 1 (the server's OpenAI `n`): that many answers of one
         conversation, answer i sampled with seed + i, as one batch (they share the image
-        prefix through the cache); not streamed."""
+        prefix through the cache); with `stream`, each handle streams its own answer."""
         m = self._m
         if reasoning is None:
             reasoning = True
@@ -536,6 +536,11 @@ class Moondream:
                                 optional_image=True, return_metrics=return_metrics)
         seeded = lambda img, i: dataclasses.replace(  # noqa: E731
             req, settings=dataclasses.replace(s, seed=(s.seed + i) % 2**31))
+        if stream:
+            if return_metrics:
+                raise ValueError("return_metrics needs stream=False")
+            handles = self.engine.submit_many([seeded(image, i) for i in range(n)])
+            return _Call(handles, True, True, None, lambda h: shape(h.result()))
         return self._submit([image] * n, list(range(n)), False, seeded, shape,
                             optional_image=True, return_metrics=return_metrics)
 

@@ -351,10 +351,11 @@ class Server:
                                  headers={"Cache-Control": "no-cache",
                                           "X-Accel-Buffering": "no"})
 
-    async def _text_events(self, call):
+    async def _text_events(self, call, h=None):
         """Moondream's stream events: {"chunk", "completed": false} per piece, then
-        {"completed": true, "finish_reason", "usage"}; errors as an "error" event."""
-        h = call.handles[0]
+        {"completed": true, "finish_reason", "usage"}; errors as an "error" event.  `h`: the
+        call's handle to follow (default its first)."""
+        h = call.handles[0] if h is None else h
         if h.request.reasoning:
             try:
                 reasoning = await aio.reasoning(h)
@@ -537,26 +538,32 @@ class Server:
                              "usage": usage})
 
     async def _chat_events(self, call, base: dict, include_usage: bool):
-        h = call.handles[0]
+        """OpenAI chunks of every answer of the call (n > 1: each choice's chunks carry its
+        index, interleaved as the answers' pieces arrive; they decode in one batch)."""
         chunk = {**base, "object": "chat.completion.chunk"}
 
-        def delta(d, finish=None):
-            return {**chunk, "choices": [{"index": 0, "delta": d, "finish_reason": finish}]}
+        def delta(i, d, finish=None):
+            return {**chunk, "choices": [{"index": i, "delta": d, "finish_reason": finish}]}
 
-        yield delta({"role": "assistant", "content": ""})
-        async for ev in self._text_events(call):
-            if "reasoning" in ev:
-                r = ev["reasoning"] or {}
-                d = {"reasoning": r.get("text", "")}
-                if r.get("grounding"):
-                    d["reasoning_details"] = {"grounding": r["grounding"]}
-                yield delta(d)
-            elif not ev["completed"]:
-                yield delta({"content": ev["chunk"]})
-        m = h.metrics()
-        yield delta({}, openai_finish(m["finish_reason"]))
+        async def one(i, h):
+            yield delta(i, {"role": "assistant", "content": ""})
+            async for ev in self._text_events(call, h):
+                if "reasoning" in ev:
+                    r = ev["reasoning"] or {}
+                    d = {"reasoning": r.get("text", "")}
+                    if r.get("grounding"):
+                        d["reasoning_details"] = {"grounding": r["grounding"]}
+                    yield delta(i, d)
+                elif not ev["completed"]:
+                    yield delta(i, {"content": ev["chunk"]})
+            yield delta(i, {}, openai_finish(h.metrics()["finish_reason"]))
+
+        async for ev in _merged([one(i, h) for i, h in enumerate(call.handles)]):
+            yield ev
         if include_usage:
-            yield {**chunk, "choices": [], "usage": _usage(m)}
+            done = sum(h.metrics()["output_tokens"] or 0 for h in call.handles)
+            yield {**chunk, "choices": [],
+                   "usage": _usage({**call.handles[0].metrics(), "output_tokens": done})}
         yield "[DONE]"
 
     def _with_variant(self, md, model: str | None, settings: dict | None,
@@ -656,6 +663,43 @@ def _usage(m: dict) -> dict:
     p, c = m["input_tokens"] or 0, m["output_tokens"] or 0
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": m.get("cached_tokens") or 0}}
+
+
+async def _merged(gens: list):
+    """The items of several async generators as each arrives (one: itself).  An error in one
+    ends the merge with that error; the others are closed."""
+    if len(gens) == 1:
+        async for x in gens[0]:
+            yield x
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(g):
+        try:
+            async for x in g:
+                await queue.put((x, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((None, e))
+        finally:
+            await queue.put((done, None))
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+    try:
+        left = len(tasks)
+        while left:
+            x, err = await queue.get()
+            if err is not None:
+                raise err
+            if x is done:
+                left -= 1
+            else:
+                yield x
+    finally:
+        for t in tasks:
+            t.cancel()
+        for g in gens:
+            await _aclose(g)
 
 
 def _event(ev) -> str:

@@ -138,9 +138,6 @@ def parse_chat(body: dict, max_context: int) -> dict:
     if isinstance(answers, bool) or not isinstance(answers, int) or not 1 <= answers <= MAX_N:
         raise bad(f"chat/completions: n must be an integer from 1 to {MAX_N}, got "
                    f"{_short(answers)}", "n")
-    if answers > 1 and body.get("stream"):
-        raise bad("chat/completions: n > 1 does not stream here; send stream false, or n "
-                   "requests", "n")
     if body.get("modalities") not in (None, ["text"]):
         raise bad("chat/completions: only text output (modalities [\"text\"]) is supported",
                    "modalities")
