@@ -455,13 +455,17 @@ ENGINE_IMAGES = [os.path.join(FIXTURE_DIR, f) for f in ("img_land800x600.png",
                                                        "img_sq378.png")]
 
 
-def workload(model, encoded, seed, n, adapters=None):
+def workload(model, encoded, seed, n, adapters=None, followups=False):
     """Random mixed requests over ENGINE_IMAGES (`encoded`: their reference encodings):
     (Request, the one-request path's output).  "shared" requests are text-only behind one
     145-token system prompt (two full pages of 64): once one of them has finished, the
     others read its pages from the conversation cache, and must still equal the reference.
     `adapters` (name -> LoRA `Adapter`): half the requests, drawn after the rest, name one
-    (those with an image pass its path: an encoded prefix is the base model's)."""
+    (those with an image pass its path: an encoded prefix is the base model's).
+    `followups`: about a third of the requests continue an earlier text request's
+    conversation (its prompt, the answer tokens it fed, a new question; its image and
+    adapter): submitted after it has finished, they read its pages from the conversation
+    cache."""
     from photon_jax.engine.request import Request
     from photon_jax.engine.settings import Settings
 
@@ -492,6 +496,13 @@ def workload(model, encoded, seed, n, adapters=None):
             req.settings = dataclasses.replace(s, variant=str(rng.choice(sorted(adapters))))
             if req.image is not None:
                 req.image = ENGINE_IMAGES[k]
+        texts = [j for j, (r, _) in enumerate(out) if r.skill == "text"]
+        if followups and texts and rng.random() < 0.35:
+            prev, got = out[texts[int(rng.integers(len(texts)))]]
+            fed = got["ids"][:-1] if got["finish_reason"] == "length" else got["ids"]
+            req = Request("text", list(prev.prompt) + fed + pr.query(
+                f"w{rng.integers(50, 900)}"), prev.image,
+                dataclasses.replace(s, variant=prev.settings.variant))
         out.append((req, reference_output(model, encoded, req, adapters)))
     return out
 

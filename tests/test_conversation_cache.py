@@ -126,3 +126,32 @@ def test_conversations_under_pool_pressure(tiny_ckpt):
     assert any(c > model.cfg.prefix_len for _, _, c in results[True].values())
     assert stats["conversation_cache"]["evictions"] > 0 and stats["prefix_cache"]["evictions"] > 0
     assert stats["conversation_cache"]["hit_pages"] > 0
+
+
+def test_random_workloads_with_follow_ups_equal_the_one_request_path(tiny_ckpt):
+    """Random mixed requests of which about a third continue an earlier text request's
+    conversation (its prompt, answer and a new question, on its image or none), submitted
+    in waves so that many continue a finished one: every result equals the one-request
+    path, pipelined and blocking, and the follow-ups did read the conversation cache."""
+    from helpers import ENGINE_IMAGES, biased_model, run_in_waves, strip, workload
+
+    from photon_jax.engine import reference
+
+    model = biased_model(tiny_ckpt, {0: 0.8})
+    encoded = [reference.encode_image(model, p) for p in ENGINE_IMAGES]
+    items = workload(model, encoded, 5, 18, followups=True)
+    reqs = [r for r, _ in items]
+    follow = [i for i, r in enumerate(reqs) if any(
+        len(q.prompt) < len(r.prompt) and r.prompt[:len(q.prompt)] == q.prompt
+        for q in reqs[:i])]
+    assert len(follow) >= 4, follow
+    for pipelined in (True, False):
+        eng = Engine(model, max_batch_size=3, pipelined=pipelined)
+        try:
+            got = run_in_waves(eng, reqs, waves=6)
+            stats = eng.stats()["conversation_cache"]
+        finally:
+            eng.close()
+        assert [strip(g) for g in got] == [w for _, w in items]
+        assert stats["hit_pages"] > 0, stats
+        assert eng.sched.alloc.in_use() == 0

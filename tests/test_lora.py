@@ -311,10 +311,10 @@ def test_the_one_request_path_with_an_adapter_gives_the_reference_ids(md):
 def test_random_mixed_workloads_with_adapters_equal_the_one_request_path(tiny_ckpt, tmp_path,
                                                                          seed):
     """Random mixed requests (captions, queries, text-only, detect, point, a shared system
-    prompt; image paths and encoded prefixes) of which half name one of three adapters, in
-    staggered waves through 2 adapter slots and 3 rows, pipelined and blocking: every
-    result equals the one-request path under the request's adapter (prefix and
-    conversation caches shared across adapters would break this)."""
+    prompt, follow-ups of earlier answers; image paths and encoded prefixes) of which half
+    name one of three adapters, in staggered waves through 2 adapter slots and 3 rows,
+    pipelined and blocking: every result equals the one-request path under the request's
+    adapter (prefix and conversation caches shared across adapters would break this)."""
     from helpers import ENGINE_IMAGES, biased_model, run_in_waves, strip, workload
 
     from photon_jax.engine import reference
@@ -324,15 +324,17 @@ def test_random_mixed_workloads_with_adapters_equal_the_one_request_path(tiny_ck
     adapters["gamma"] = read_adapter(write_lora(tmp_path / "g.safetensors", 3, 21),
                                      model.cfg, name="gamma", max_rank=8)
     encoded = [reference.encode_image(model, p) for p in ENGINE_IMAGES]
-    items = workload(model, encoded, seed, 14, adapters=adapters)
+    items = workload(model, encoded, seed, 16, adapters=adapters, followups=True)
     reqs = [r for r, _ in items]
-    assert 4 <= sum(r.settings.variant is not None for r in reqs) <= 10
+    assert 4 <= sum(r.settings.variant is not None for r in reqs) <= 12
     for pipelined in (True, False):
         eng = Engine(model, max_batch_size=3, pipelined=pipelined, max_adapters=2,
                      max_lora_rank=8, adapters=adapters)
         try:
-            got = run_in_waves(eng, reqs)
+            got = run_in_waves(eng, reqs, waves=5)
+            hits = eng.stats()["conversation_cache"]["hit_pages"]
         finally:
             eng.close()
         assert [strip(g) for g in got] == [w for _, w in items]
+        assert hits > 0   # follow-ups (under their adapter) read the conversation cache
         assert eng.sched.adapters.in_use() == 0 and eng.sched.adapters.loads >= 3
