@@ -159,6 +159,9 @@ class Moondream:
         if adapters is not None and not isinstance(adapters, dict):
             raise TypeError(f"adapters must be a dict name -> path, got "
                             f"{type(adapters).__name__}")
+        if adapters and max_adapters == 0:
+            raise ValueError("adapters were given but max_adapters=0: no slot could hold "
+                             "them; drop max_adapters (4 by default) or raise it")
         Weights.of(weights)   # a bad value is refused before anything loads
         if tensor_parallel is not None:
             if mesh is not None:

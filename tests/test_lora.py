@@ -286,6 +286,9 @@ def test_a_bad_adapter_given_to_load_is_refused_before_the_weights_load(tiny_ckp
     with pytest.raises(AdapterError, match="'wide'.*do not fit"):
         Moondream.load(tiny_ckpt, adapters={"wide": bad})
     assert placed == []
+    with pytest.raises(ValueError, match="max_adapters=0"):
+        Moondream.load(tiny_ckpt, adapters={"alpha": FINAL_PT["ft-alpha@100"]}, max_adapters=0)
+    assert placed == []
 
 
 def test_the_one_request_path_with_an_adapter_gives_the_reference_ids(md):

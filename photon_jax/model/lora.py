@@ -116,5 +116,8 @@ class Rows:
 
 
 def default_mode(attention: str) -> str:
-    """The formulation a platform's programs use (`MODES`), by its decode attention."""
+    """The formulation a platform's programs use (`MODES`), by its decode attention.
+    "gather" for every one today: on CPU it is as fast or faster but at rank 64 and batch
+    32 (bench/lora.py), and the H200 and TPU v5e deviceless compiles need no more memory
+    for it (docs/lora.md); GPU and TPU speeds are not measured."""
     return "gather"
