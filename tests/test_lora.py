@@ -134,7 +134,10 @@ def test_requests_for_another_adapter_wait_for_a_free_slot(md):
         together = [h.result(timeout=300)["ids"]
                     for h in eng.submit_many(_requests(model, mix))]
         assert together == alone
-        assert eng.sched.adapters.loads - loads >= 2   # the slot changed hands
+        # The slot changed hands: the alone run left ft-beta in it and ft-alpha's rows need
+        # it too.  Once, not necessarily twice: which adapter's rows are admitted first
+        # depends on which requests' images are ready at the first admission.
+        assert eng.sched.adapters.loads - loads >= 1
         st = eng.stats()["adapters"]
         assert st["slots_in_use"] == 0 and st["slot_loads"] == eng.sched.adapters.loads
         # the one slot's tables, counted in the memory plan
