@@ -25,12 +25,47 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # read-only), in this process and in the CLI and benchmark subprocesses: a CPU's zero-copy
 # buffers would otherwise hide what fails on a GPU's first step.
 os.environ.setdefault("PHOTON_JAX_GPU_RULES", "1")
+# XLA's CPU backend at -O0: most of the suite's time is XLA compiling several thousand small
+# programs once each, and -O0 compiles them in about a third less time.  The results differ
+# from the default level's in their last bits only (fused or reassociated float arithmetic):
+# tests/test_opt_level.py runs the golden parity tests and the engine's pipelined == blocking
+# == reference test at the default level to keep that claim honest.  Only where no
+# accelerator plugin is installed (a GPU's or TPU's compiles keep their own default), and
+# PHOTON_JAX_TEST_XLA_OPT=default turns it off.
+O0_FLAG = "--xla_backend_optimization_level=0"
+
+
+def _accelerator_plugin() -> bool:
+    import importlib.metadata
+
+    names = {(d.metadata["Name"] or "").lower() for d in importlib.metadata.distributions()}
+    return any(n.startswith(("jax-cuda", "jax_cuda", "jax-rocm", "libtpu")) for n in names)
+
+
+if os.environ.get("PHOTON_JAX_TEST_XLA_OPT", "0") != "default" and not _accelerator_plugin():
+    if O0_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + O0_FLAG).strip()
 # Snapshots converted on load go to a session folder, never the user's own cache.
 if "PHOTON_JAX_CACHE" not in os.environ:
     _CKPT_CACHE = tempfile.mkdtemp(prefix="photon-test-ckpt-")
     atexit.register(shutil.rmtree, _CKPT_CACHE, ignore_errors=True)
     os.environ["PHOTON_JAX_CACHE"] = _CKPT_CACHE
 
+
+# The files that take longest, first (measured with --durations; test_bench and the two
+# mesh processes are most of a minute to several): xdist's loadfile hands whole files to
+# whichever worker is free in collection order, so the long ones start at once and short
+# files fill the end of the run instead of one worker finishing a long file alone.
+HEAVY_FIRST = ("test_bench.py", "test_mesh.py", "test_mesh_two.py", "test_caption.py",
+               "test_tpu_attention.py", "test_gpu_attention.py", "test_lora.py",
+               "test_gpu_lowering.py", "test_quantized.py", "test_moe.py",
+               "test_serve_abuse.py", "test_invariants.py", "test_md3_engine.py",
+               "test_engine.py", "test_kv8.py", "test_pool.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: ties keep order
 
 
 @pytest.fixture(scope="session")

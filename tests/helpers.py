@@ -655,3 +655,25 @@ def write_lora(path, rank: int, seed: int, **kw) -> str:
     """`lora_tensors` as a .safetensors file at `path` -> path."""
     write_safetensors(path, lora_tensors(rank, seed, **kw))
     return str(path)
+
+
+def mesh_cases(devices: int, cases: list[str]) -> dict:
+    """tests/mesh_check.py's results for `cases` on a mesh of `devices` CPU devices, run in
+    a process of its own (JAX fixes its CPU device count when it starts).  The process
+    inherits XLA_FLAGS (the suite's optimization level); mesh_check adds the device count."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__),
+                                                        "mesh_check.py"),
+                           str(devices), ",".join(cases)], capture_output=True, text=True,
+                          timeout=1800)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("MESH-RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("MESH-RESULT "):])
+
+
+def mesh_assert_same(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key] == want[key], f"{what}: {key} differs"

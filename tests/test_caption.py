@@ -374,7 +374,8 @@ def test_all_devices_give_the_same_captions(tiny_ckpt, tmp_path, expect):
     paths = make_tree(d, n=5, seed=80)
     jl = tmp_path / "o.jsonl"
     proc = _cli([str(d), "-r", "--model", tiny_ckpt, "--jsonl", str(jl), "--devices", "all",
-                 *ARGS], env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+                 *ARGS], env={"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") +
+                          " --xla_force_host_platform_device_count=2"})
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "on 2 device(s)" in err

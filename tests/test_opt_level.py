@@ -1,0 +1,27 @@
+"""The suite compiles at XLA's -O0 on CPU (tests/conftest.py: a third less compile time);
+this file runs the golden parity tests and the engine's pipelined == blocking == reference
+test again at XLA's default level, in a process of its own, so that what users run (the
+default level) is held to the reference fixtures too."""
+
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_the_default_optimization_level_passes_the_parity_tests():
+    # Without the flag, and with conftest told not to add it back.
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
+    env = {**os.environ, "XLA_FLAGS": flags.strip(), "PHOTON_JAX_TEST_XLA_OPT": "default"}
+    tests = [os.path.join(HERE, "test_parity.py"),
+             os.path.join(HERE, "test_engine.py::test_pipelined_equals_blocking_equals_reference")]
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
+         "-p", "no:xdist", *tests],
+        cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    # Every test ran and passed: none skipped or deselected.
+    summary = r.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"\d+ passed in [\d.]+s( \(\S+\))?", summary.strip("= ")), summary
