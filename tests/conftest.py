@@ -42,9 +42,17 @@ def _accelerator_plugin() -> bool:
     return any(n.startswith(("jax-cuda", "jax_cuda", "jax-rocm", "libtpu")) for n in names)
 
 
-if os.environ.get("PHOTON_JAX_TEST_XLA_OPT", "0") != "default" and not _accelerator_plugin():
-    if O0_FLAG not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + O0_FLAG).strip()
+def suite_xla_flags(environ) -> str:
+    """The XLA_FLAGS a test process gets from `environ` (tests/test_opt_level.py checks that
+    its child, told PHOTON_JAX_TEST_XLA_OPT=default, really compiles at the default level)."""
+    flags = environ.get("XLA_FLAGS", "")
+    if (environ.get("PHOTON_JAX_TEST_XLA_OPT", "0") != "default" and not _accelerator_plugin()
+            and O0_FLAG not in flags):
+        flags = (flags + " " + O0_FLAG).strip()
+    return flags
+
+
+os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ)
 # Snapshots converted on load go to a session folder, never the user's own cache.
 if "PHOTON_JAX_CACHE" not in os.environ:
     _CKPT_CACHE = tempfile.mkdtemp(prefix="photon-test-ckpt-")
