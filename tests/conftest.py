@@ -10,7 +10,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from helpers import FIXTURE_DIR, MD3_FIXTURE_DIR
+from helpers import FIXTURE_DIR, MD3_FIXTURE_DIR, suite_xla_flags
 
 # One persistent XLA compilation cache for the session, shared with the subprocesses the CLI
 # and benchmark tests start (set before JAX is imported): each program compiles once per
@@ -31,27 +31,7 @@ os.environ.setdefault("PHOTON_JAX_GPU_RULES", "1")
 # tests/test_opt_level.py runs the golden parity tests and the engine's pipelined == blocking
 # == reference test at the default level to keep that claim honest.  Only where no
 # accelerator plugin is installed (a GPU's or TPU's compiles keep their own default), and
-# PHOTON_JAX_TEST_XLA_OPT=default turns it off.
-O0_FLAG = "--xla_backend_optimization_level=0"
-
-
-def _accelerator_plugin() -> bool:
-    import importlib.metadata
-
-    names = {(d.metadata["Name"] or "").lower() for d in importlib.metadata.distributions()}
-    return any(n.startswith(("jax-cuda", "jax_cuda", "jax-rocm", "libtpu")) for n in names)
-
-
-def suite_xla_flags(environ) -> str:
-    """The XLA_FLAGS a test process gets from `environ` (tests/test_opt_level.py checks that
-    its child, told PHOTON_JAX_TEST_XLA_OPT=default, really compiles at the default level)."""
-    flags = environ.get("XLA_FLAGS", "")
-    if (environ.get("PHOTON_JAX_TEST_XLA_OPT", "0") != "default" and not _accelerator_plugin()
-            and O0_FLAG not in flags):
-        flags = (flags + " " + O0_FLAG).strip()
-    return flags
-
-
+# PHOTON_JAX_TEST_XLA_OPT=default turns it off (helpers.suite_xla_flags decides).
 os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ)
 # Snapshots converted on load go to a session folder, never the user's own cache.
 if "PHOTON_JAX_CACHE" not in os.environ:

@@ -23,6 +23,27 @@ MD3_FIXTURE_DIR = os.path.join(HERE, "fixtures", "moondream3-tiny")
 LAND = os.path.join(FIXTURE_DIR, "img_land800x600.png")
 SQ = os.path.join(FIXTURE_DIR, "img_sq378.png")
 GREEDY = {"temperature": 0, "max_tokens": 6}
+# The suite's XLA level on CPU (conftest explains why -O0).
+O0_FLAG = "--xla_backend_optimization_level=0"
+
+
+def _accelerator_plugin() -> bool:
+    import importlib.metadata
+
+    names = {(d.metadata["Name"] or "").lower() for d in importlib.metadata.distributions()}
+    return any(n.startswith(("jax-cuda", "jax_cuda", "jax-rocm", "libtpu")) for n in names)
+
+
+def suite_xla_flags(environ) -> str:
+    """The XLA_FLAGS a test process gets from `environ` (tests/test_opt_level.py checks that
+    its child, told PHOTON_JAX_TEST_XLA_OPT=default, really compiles at the default level)."""
+    flags = environ.get("XLA_FLAGS", "")
+    if (environ.get("PHOTON_JAX_TEST_XLA_OPT", "0") != "default" and not _accelerator_plugin()
+            and O0_FLAG not in flags):
+        flags = (flags + " " + O0_FLAG).strip()
+    return flags
+
+
 # Moondream 3's tiny fixture: EOS for varied lengths, and its coordinate and size ids (the
 # fixture's head biases them by -10) so that segment emits a box.
 MD3_BIASES = {0: 0.8, 5: 17.0, 6: 16.0}

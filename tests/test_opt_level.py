@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-from conftest import O0_FLAG, suite_xla_flags
+from helpers import O0_FLAG, suite_xla_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
