@@ -23,8 +23,11 @@ MD3_FIXTURE_DIR = os.path.join(HERE, "fixtures", "moondream3-tiny")
 LAND = os.path.join(FIXTURE_DIR, "img_land800x600.png")
 SQ = os.path.join(FIXTURE_DIR, "img_sq378.png")
 GREEDY = {"temperature": 0, "max_tokens": 6}
-# The suite's XLA level on CPU (conftest explains why -O0).
-O0_FLAG = "--xla_backend_optimization_level=0"
+# The suite's XLA settings on CPU (conftest says why): -O0, and XLA:CPU's older elemental
+# emitters instead of its MLIR fusion emitters (a test file compiled in 29 s against 40 s with
+# -O0 alone; test_engine.py, measured).  Both change how a program is compiled, not what it
+# computes; tests/test_opt_level.py holds XLA's defaults to the goldens as well.
+SUITE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 
 def _accelerator_plugin() -> bool:
@@ -36,11 +39,12 @@ def _accelerator_plugin() -> bool:
 
 def suite_xla_flags(environ) -> str:
     """The XLA_FLAGS a test process gets from `environ` (tests/test_opt_level.py checks that
-    its child, told PHOTON_JAX_TEST_XLA_OPT=default, really compiles at the default level)."""
+    its child, told PHOTON_JAX_TEST_XLA_OPT=default, really compiles with XLA's defaults)."""
     flags = environ.get("XLA_FLAGS", "")
-    if (environ.get("PHOTON_JAX_TEST_XLA_OPT", "0") != "default" and not _accelerator_plugin()
-            and O0_FLAG not in flags):
-        flags = (flags + " " + O0_FLAG).strip()
+    if environ.get("PHOTON_JAX_TEST_XLA_OPT", "0") != "default" and not _accelerator_plugin():
+        for flag in SUITE_FLAGS:
+            if flag not in flags:
+                flags = (flags + " " + flag).strip()
     return flags
 
 

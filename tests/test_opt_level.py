@@ -1,5 +1,5 @@
-"""The suite compiles at XLA's -O0 on CPU (tests/conftest.py: about a third less
-backend compile time, measured on the surfaces run);
+"""The suite compiles at XLA's -O0 on CPU, with its older elemental emitters
+(tests/conftest.py, helpers.SUITE_FLAGS: much less compile time, measured on the surfaces run);
 this file runs the golden parity tests and the engine's pipelined == blocking == reference
 test again at XLA's default level, in a process of its own, so that what users run (the
 default level) is held to the reference fixtures too."""
@@ -9,16 +9,19 @@ import re
 import subprocess
 import sys
 
-from helpers import O0_FLAG, suite_xla_flags
+from helpers import SUITE_FLAGS, suite_xla_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_the_default_optimization_level_passes_the_parity_tests():
-    # Without the flag, and with conftest told not to add it back.
-    flags = os.environ.get("XLA_FLAGS", "").replace(O0_FLAG, "")
-    env = {**os.environ, "XLA_FLAGS": flags.strip(), "PHOTON_JAX_TEST_XLA_OPT": "default"}
-    assert O0_FLAG not in suite_xla_flags(env)   # the child's conftest leaves it out
+    # Without the suite's flags, and with conftest told not to add them back.
+    flags = os.environ.get("XLA_FLAGS", "")
+    for flag in SUITE_FLAGS:
+        flags = flags.replace(flag, "")
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags.split()), "PHOTON_JAX_TEST_XLA_OPT": "default"}
+    child = suite_xla_flags(env)          # what the child's conftest will set
+    assert not any(flag in child for flag in SUITE_FLAGS), child
     tests = [os.path.join(HERE, "test_parity.py"),
              os.path.join(HERE, "test_engine.py::test_pipelined_equals_blocking_equals_reference")]
     r = subprocess.run(
