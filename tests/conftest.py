@@ -27,8 +27,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("PHOTON_JAX_GPU_RULES", "1")
 # XLA's CPU backend at -O0 with its older elemental emitters (helpers.SUITE_FLAGS): most of the
 # suite's time is XLA compiling several thousand small programs once each, and these settings
-# compile them in about half the time.  The results differ
-# from the default level's in their last bits only (fused or reassociated float arithmetic):
+# compile them much faster (the numbers are at SUITE_FLAGS).  The results differ from the
+# default level's in their last bits only (fused or reassociated float arithmetic):
 # tests/test_opt_level.py runs the golden parity tests and the engine's pipelined == blocking
 # == reference test at the default level to keep that claim honest.  Only where no
 # accelerator plugin is installed (a GPU's or TPU's compiles keep their own default), and

@@ -19,7 +19,8 @@ def test_the_default_optimization_level_passes_the_parity_tests():
     flags = os.environ.get("XLA_FLAGS", "")
     for flag in SUITE_FLAGS:
         flags = flags.replace(flag, "")
-    env = {**os.environ, "XLA_FLAGS": " ".join(flags.split()), "PHOTON_JAX_TEST_XLA_OPT": "default"}
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags.split()),
+           "PHOTON_JAX_TEST_XLA_OPT": "default"}
     child = suite_xla_flags(env)          # what the child's conftest will set
     assert not any(flag in child for flag in SUITE_FLAGS), child
     tests = [os.path.join(HERE, "test_parity.py"),
