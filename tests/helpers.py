@@ -42,10 +42,10 @@ def suite_xla_flags(environ) -> str:
     its child, told PHOTON_JAX_TEST_XLA_OPT=default, really compiles with XLA's defaults)."""
     flags = environ.get("XLA_FLAGS", "")
     if environ.get("PHOTON_JAX_TEST_XLA_OPT", "0") != "default" and not _accelerator_plugin():
-        for flag in SUITE_FLAGS:
-            if flag not in flags:
-                flags = (flags + " " + flag).strip()
-    return flags
+        # A setting the caller gave for the same flag (any value) is theirs to keep.
+        given = {f.split("=", 1)[0] for f in flags.split()}
+        flags = " ".join([flags] + [f for f in SUITE_FLAGS if f.split("=", 1)[0] not in given])
+    return flags.strip()
 
 
 # Moondream 3's tiny fixture: EOS for varied lengths, and its coordinate and size ids (the

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import helpers
 from helpers import SUITE_FLAGS, suite_xla_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,3 +34,18 @@ def test_the_default_optimization_level_passes_the_parity_tests():
     # Every test ran and passed: none skipped or deselected.
     summary = r.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"\d+ passed in [\d.]+s( \(\S+\))?", summary.strip("= ")), summary
+
+
+def test_the_suite_flags_are_added_once_and_never_over_the_callers_own(monkeypatch):
+    """conftest's decision: both flags on a CPU-only install, none where an accelerator plugin
+    is installed or PHOTON_JAX_TEST_XLA_OPT=default, and a level the caller set kept as is
+    (two settings of one flag in XLA_FLAGS: appending ours could silently override theirs)."""
+    monkeypatch.setattr(helpers, "_accelerator_plugin", lambda: False)
+    assert suite_xla_flags({}).split() == list(SUITE_FLAGS)
+    assert suite_xla_flags({"XLA_FLAGS": suite_xla_flags({})}).split() == list(SUITE_FLAGS)
+    own = suite_xla_flags({"XLA_FLAGS": "--xla_backend_optimization_level=2 --xla_dump_to=/d"})
+    assert own.split() == ["--xla_backend_optimization_level=2", "--xla_dump_to=/d",
+                           "--xla_cpu_use_fusion_emitters=false"]
+    assert suite_xla_flags({"XLA_FLAGS": "--a=1", "PHOTON_JAX_TEST_XLA_OPT": "default"}) == "--a=1"
+    monkeypatch.setattr(helpers, "_accelerator_plugin", lambda: True)
+    assert suite_xla_flags({"XLA_FLAGS": "--a=1"}) == "--a=1"
