@@ -68,6 +68,14 @@ def md3_config():
     return moondream3("bfloat16")
 
 
+def tiny_md3_config():
+    """The Moondream 3 test fixture's shapes (`config.tiny_md3`): what `gpu_md2.py --config
+    tiny` (the CPU smoke run) takes for its Moondream 3 row."""
+    from photon_jax.model.config import tiny_md3
+
+    return tiny_md3()
+
+
 def small_md3_config():
     """"small" with Moondream 3's parts: tau attention, layers 2-3 mixtures of 32 experts
     (top-4, expert width 256: the real model's 1/8 of experts per token), linear region
@@ -93,7 +101,8 @@ def small_v27_config():
 
 
 CONFIGS = {"small": small_config, "tiny": tiny_config, "md2": md2_config, "md3": md3_config,
-           "small_md3": small_md3_config, "small_v27": small_v27_config}
+           "small_md3": small_md3_config,
+           "tiny_md3": tiny_md3_config, "small_v27": small_v27_config}
 
 
 # `--weights` of the compile benchmarks: a format for every quantizable weight

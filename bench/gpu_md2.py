@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (CONFIGS, build_model, ceiling_run, decode_cost, env_info,  # noqa: E402
                     kv_dtype_of, measure)
 
-MD3_FOR = {"md2": "md3", "small": "small_md3", "tiny": "small_md3"}
+MD3_FOR = {"md2": "md3", "small": "small_md3", "tiny": "tiny_md3"}
 
 
 def floor_fields(cost: dict, step_ms: float, bandwidths) -> dict:

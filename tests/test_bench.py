@@ -72,7 +72,7 @@ def test_gpu_run_smoke_runs_every_step_on_cpu(tmp_path):
     assert "collected" in res["kernels"][-1]["pytest"]
     assert res["engine"][-1]["all_equal"] and res["engine"][-1]["surfaces"] >= 14
     md2, md3 = res["md2"][-1], res["md3"][-1]
-    assert (md2["config"], md2["batch"], md3["config"]) == ("tiny", 2, "small_md3")
+    assert (md2["config"], md2["batch"], md3["config"]) == ("tiny", 2, "tiny_md3")
     for key in ("ceiling_tok_s", "pipelined_tok_s", "blocking_tok_s", "floor_ratio_4.8",
                 "bubble_blocking", "bubble_pipelined"):
         assert key in md2
