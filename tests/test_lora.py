@@ -121,6 +121,42 @@ def test_a_mixed_batch_gives_each_row_its_tokens_alone_and_a_new_adapter_compile
         eng.close()
 
 
+def test_ranks_128_and_512_in_one_batch_equal_the_one_request_path(md, tmp_path):
+    """The largest ranks the issue names (512, and 128 beside it): rows of both adapters and
+    rows without one, decoded together in slots sized for rank 512 (a rank-128 adapter is
+    zero-padded there), give the one-request path's ids under each row's adapter."""
+    from photon_jax.engine import reference
+
+    model = md.engine.model
+    # B twice the helper's default scale: strong enough that an engine which lost the
+    # components past rank 64 gives other ids (checked by making it do so).
+    adapters = {f"r{r}": read_adapter(write_lora(tmp_path / f"r{r}.safetensors", r, r,
+                                                 b_scale=1.0),
+                                      model.cfg, name=f"r{r}", max_rank=512)
+                for r in (128, 512)}
+    assert {a.rank for a in adapters.values()} == {128, 512}
+    mix = [None, "r512", "r128", "r512"]
+    reqs = [Request("text", model.prompts.caption("normal"), SQ,
+                    Settings(temperature=0, max_tokens=10, variant=v)) for v in mix]
+    eng = Engine(model, max_batch_size=4, max_adapters=2, max_lora_rank=512,
+                 adapters=adapters)
+    try:
+        got = [h.result(timeout=300)["ids"] for h in eng.submit_many(reqs)]
+    finally:
+        eng.close()
+    want = {}
+    for v in (None, "r128", "r512"):
+        a = None if v is None else adapters[v]
+        enc = reference.encode_image(model, SQ, adapter=a)
+        want[v] = reference.generate_text(model, enc, model.prompts.caption("normal"),
+                                          Settings(temperature=0, max_tokens=10),
+                                          adapter=a)["ids"]
+    assert got == [want[v] for v in mix]
+    # Each adapter changes the caption, and none is empty (an EOS at once would match a row
+    # whose adapter was lost as easily as a right one).
+    assert len({tuple(w) for w in want.values()}) == 3 and all(want.values())
+
+
 def test_requests_for_another_adapter_wait_for_a_free_slot(md):
     """One slot, three adapters requested at once: each request waits until the rows
     using the slot's adapter finish, then gets its own tokens."""
