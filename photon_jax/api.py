@@ -271,21 +271,32 @@ class Moondream:
 
     # -- skills -------------------------------------------------------------------------
 
-    def encode_image(self, image: ImageLike | list[ImageLike]) -> EncodedImage | list[EncodedImage]:
+    def encode_image(self, image: ImageLike | list[ImageLike], *, variant: str | None = None
+                     ) -> EncodedImage | list[EncodedImage]:
         """Encode once, query many times: the image's prefix is computed into the engine's
         KV pool and pinned there; the returned `EncodedImage` is accepted by every method of
         this Moondream in place of the image.  `release()` it (or drop it) to unpin.  Valid
-        for this loaded model only; not a persistence format."""
+        for this loaded model only; not a persistence format.  `variant`: a finetune (as
+        settings["variant"]; the reference's encode_image settings): the prefix is computed
+        under its adapter, as the reference prefills an image through the adapted decoder.
+        Calls use an EncodedImage as it is, whatever their own variant (as the reference
+        does): encode under the variant you will ask with."""
         images = image if isinstance(image, list) else [image]
-        handles = [self.engine.encode(x) for x in images]
+        handles = self._encodes(images, variant)
         out = [h.result() for h in handles]
         return out if isinstance(image, list) else out[0]
 
-    async def aencode_image(self, image: ImageLike | list[ImageLike]):
+    async def aencode_image(self, image: ImageLike | list[ImageLike], *,
+                            variant: str | None = None):
         """`encode_image` for asyncio (see `acaption`)."""
         images = image if isinstance(image, list) else [image]
-        out = await aio.results([self.engine.encode(x) for x in images])
+        out = await aio.results(self._encodes(images, variant))
         return out if isinstance(image, list) else out[0]
+
+    def _encodes(self, images: list, variant: str | None) -> list:
+        if variant is not None:
+            self._parse({"variant": variant})   # loaded now if needed; refused by name
+        return [self.engine.encode(x, variant) for x in images]
 
     def caption(self, image: ImageLike | list[ImageLike], length: str = "normal", *,
                 stream: bool = False, settings: dict | None = None, progress: bool = False,

@@ -157,6 +157,46 @@ def test_ranks_128_and_512_in_one_batch_equal_the_one_request_path(md, tmp_path)
     assert len({tuple(w) for w in want.values()}) == 3 and all(want.values())
 
 
+def test_an_image_encoded_under_a_variant_gives_the_references_outputs_for_that_variant(md):
+    """encode_image(image, variant=...) computes the prefix under the adapter (as the
+    reference's encode_image with settings["variant"] prefills the image through the
+    adapted decoder): that variant's calls on it give the goldens.  A call of another
+    variant (or none) uses the encoded prefix as it is, as the reference does with an
+    EncodedImage it is handed: the one-request path on that prefix under the call's
+    adapter."""
+    from photon_jax.engine import reference
+
+    v, st = "ft-beta@7", GOLDEN["settings"]
+    s = {"temperature": 0, "max_tokens": st["max_tokens"], "variant": v}
+    want = GOLDEN["runs"][v]["sq378"]
+    enc = md.encode_image(SQ, variant=v)
+    base = md.encode_image(SQ)
+    try:
+        assert enc.variant == v and base.variant is None and v in repr(enc)
+        assert md.caption(enc, "short", settings=s)["caption"] == want["caption_short"]["text"]
+        assert md.query(enc, st["question"], settings=s)["answer"] == want["query"]["text"]
+        assert md.caption(base, "short", settings={**s, "variant": None})["caption"] == \
+            GOLDEN["runs"]["base"]["sq378"]["caption_short"]["text"] != \
+            want["caption_short"]["text"]
+        # Crossed: the base's prefix under the adapter, the adapter's prefix under none.
+        model, a = md.engine.model, md.engine.adapters[v]
+        prompt = model.prompts.caption("short")
+        one = Settings(temperature=0, max_tokens=st["max_tokens"])
+        crossed = [(base, v, reference.encode_image(model, SQ), a),
+                   (enc, None, reference.encode_image(model, SQ, adapter=a), None)]
+        matched = [want["caption_short"]["text"],
+                   GOLDEN["runs"]["base"]["sq378"]["caption_short"]["text"]]
+        for (image, variant, prefix, adapter), same_call in zip(crossed, matched):
+            got = md.caption(image, "short", settings={**s, "variant": variant})["caption"]
+            assert got == reference.generate_text(model, prefix, prompt, one,
+                                                  adapter=adapter)["text"]
+            assert got != same_call   # the prefix used is the handed one, not recomputed
+    finally:
+        enc.release()
+        base.release()
+    assert md.engine.sched.adapters.in_use() == 0   # the encode gave its slot back
+
+
 def test_requests_for_another_adapter_wait_for_a_free_slot(md):
     """One slot, three adapters requested at once: each request waits until the rows
     using the slot's adapter finish, then gets its own tokens."""

@@ -56,6 +56,7 @@ from .inflight import PipelineState
 from .pages import pages_for
 from .request import EngineError, Handle, Request, RequestError
 from .scheduler import Outbox, Scheduler, Seq, adapter_key
+from .settings import Settings
 from .stepmeta import M_TABLE, pack_decode, pack_prefill
 
 _I32 = np.int32
@@ -279,10 +280,11 @@ class Engine:
             late.flush()
         return handles
 
-    def encode(self, image) -> Handle:
+    def encode(self, image, variant: str | None = None) -> Handle:
         """Encode an image into the prefix cache and pin it there: the handle's result is an
-        `EncodedImage` (release it, or drop it, to unpin)."""
-        return self.submit(Request("encode", [], image))
+        `EncodedImage` (release it, or drop it, to unpin).  `variant`: a loaded adapter's
+        name, the image prefix computed under it."""
+        return self.submit(Request("encode", [], image, Settings(variant=variant)))
 
     def _admit(self, h: Handle) -> Seq:
         req, cfg = h.request, self.cfg
@@ -523,8 +525,14 @@ class Engine:
             s, src = job
             if not src.hit:
                 with hostsync.sync_free():
-                    self._write_prefix(self._encode(s.image), src.entry.pages)
-            self.sched.finish_encode(s, EncodedImage(self, s.key, src.entry.tiling))
+                    if s.adapter_slot:
+                        self._write_adapters([s])
+                    self._write_prefix(self._encode(s.image, s.adapter_slot),
+                                       src.entry.pages)
+                self.sched.adapters.release(s.adapter_slot)
+                s.adapter_slot = 0
+            self.sched.finish_encode(s, EncodedImage(self, s.key, src.entry.tiling,
+                                                     s.adapter))
 
     # launch ---------------------------------------------------------------------------
 

@@ -96,8 +96,12 @@ class EncodedImage:
     method of the `Moondream` that made it, in place of an image.  Valid for that loaded
     model only; not a persistence format."""
 
-    def __init__(self, engine, key: bytes, tiling: tuple[int, int]):
+    def __init__(self, engine, key: bytes, tiling: tuple[int, int], adapter=None):
         self._engine, self.key, self.tiling = engine, key, tiling
+        # The variant the prefix was computed under (None: the base model).  Any request may
+        # read it as it is, whatever its own variant (as the reference uses the caches of an
+        # EncodedImage it is handed).
+        self.variant = None if adapter is None else adapter.name
         self._lock = threading.Lock()
         self._released = False
 
@@ -128,4 +132,5 @@ class EncodedImage:
 
     def __repr__(self) -> str:
         state = "released" if self._released else "pinned"
-        return f"EncodedImage({self.key.hex()[:12]}, tiling={self.tiling}, {state})"
+        v = "" if self.variant is None else f", variant={self.variant!r}"
+        return f"EncodedImage({self.key.hex()[:12]}, tiling={self.tiling}{v}, {state})"

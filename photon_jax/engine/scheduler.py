@@ -324,11 +324,18 @@ class Scheduler:
                 self.cache.pin(s.key)
                 self.cache.count_hit()
                 return s, src
+            # A variant's prefix is computed under its adapter: the encode holds the
+            # adapter's slot until it is launched (`Engine._run_encodes` releases it).
+            slot = self.adapters.acquire(s.adapter)
+            if slot is None:
+                continue   # every slot is held: waits for one
             if self.alloc.available() < self.prefix_pages:
                 self.evict_for(self.prefix_pages)
             entry = self.cache.insert(s.key, self.prefix_pages, s.image.tiling, pin=True)
             if entry is None:
+                self.adapters.release(slot)
                 continue   # waits for pages
+            s.adapter_slot = slot
             self.cache.count_miss()
             return s, Source(Origin.MISS, entry)
         return None
