@@ -222,6 +222,27 @@ def test_requests_for_another_adapter_wait_for_a_free_slot(md):
         eng.close()
 
 
+def test_an_encode_under_a_variant_waits_for_a_slot_and_gives_it_back(md):
+    """One slot, held by a running request of another adapter: the variant's encode waits
+    for it, then computes the prefix under its own adapter (the goldens' ids follow), and
+    leaves no slot held."""
+    model = md.engine.model
+    v, st = "ft-beta@7", GOLDEN["settings"]
+    eng = Engine(model, max_batch_size=8, max_adapters=1, max_lora_rank=8,
+                 adapters=md.engine.adapters)
+    try:
+        busy = eng.submit(_requests(model, ["ft-alpha@100"])[0])
+        enc = eng.encode(SQ, v).result(timeout=300)
+        assert busy.result(timeout=300)["ids"] and enc.variant == v
+        got = eng.submit(Request("text", model.prompts.caption("short"), enc, Settings(
+            temperature=0, max_tokens=st["max_tokens"], variant=v))).result(timeout=300)
+        assert got["ids"] == GOLDEN["runs"][v]["sq378"]["caption_short"]["ids"]
+        enc.release()
+        assert eng.stats()["adapters"]["slots_in_use"] == 0
+    finally:
+        eng.close()
+
+
 def _bad(tmp_path, name, edit):
     t = lora_tensors(4, 0)
     edit(t)

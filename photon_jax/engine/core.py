@@ -529,6 +529,9 @@ class Engine:
                         self._write_adapters([s])
                     self._write_prefix(self._encode(s.image, s.adapter_slot),
                                        src.entry.pages)
+                # Free at once: the launched encode has no later step reading the slot, and
+                # a rewrite of the tables is a new value (JAX orders a donated write after
+                # the reads launched before it).
                 self.sched.adapters.release(s.adapter_slot)
                 s.adapter_slot = 0
             self.sched.finish_encode(s, EncodedImage(self, s.key, src.entry.tiling,
