@@ -101,8 +101,8 @@ def small_v27_config():
 
 
 CONFIGS = {"small": small_config, "tiny": tiny_config, "md2": md2_config, "md3": md3_config,
-           "small_md3": small_md3_config,
-           "tiny_md3": tiny_md3_config, "small_v27": small_v27_config}
+           "small_md3": small_md3_config, "tiny_md3": tiny_md3_config,
+           "small_v27": small_v27_config}
 
 
 # `--weights` of the compile benchmarks: a format for every quantizable weight

@@ -223,14 +223,16 @@ def test_requests_for_another_adapter_wait_for_a_free_slot(md):
 
 
 def test_an_encode_under_a_variant_waits_for_a_slot_and_gives_it_back(md):
-    """One slot, held by a running request of another adapter: the variant's encode waits
-    for it, then computes the prefix under its own adapter (the goldens' ids follow), and
-    leaves no slot held."""
+    """One slot, which another adapter's tables fill (a request of it ran first) and a
+    running request of it may hold: the variant's encode waits for the slot if it is held,
+    must rewrite it (an encode that skipped the write would compute the prefix under the
+    other adapter's tables), and leaves no slot held; the goldens' ids follow."""
     model = md.engine.model
     v, st = "ft-beta@7", GOLDEN["settings"]
     eng = Engine(model, max_batch_size=8, max_adapters=1, max_lora_rank=8,
                  adapters=md.engine.adapters)
     try:
+        eng.submit(_requests(model, ["ft-alpha@100"])[0]).result(timeout=300)
         busy = eng.submit(_requests(model, ["ft-alpha@100"])[0])
         enc = eng.encode(SQ, v).result(timeout=300)
         assert busy.result(timeout=300)["ids"] and enc.variant == v
