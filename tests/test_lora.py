@@ -19,7 +19,7 @@ from photon_jax import Moondream
 from photon_jax.convert.adapters import AdapterError, read_adapter, variant_path
 from photon_jax.engine.core import Engine
 from photon_jax.engine.request import Request, RequestError
-from photon_jax.engine.settings import Settings
+from photon_jax.engine.settings import Settings, SettingsError
 from photon_jax.model import lora
 
 with open(os.path.join(LORA_DIR, "golden.json")) as _f:
@@ -195,6 +195,9 @@ def test_an_image_encoded_under_a_variant_gives_the_references_outputs_for_that_
         enc.release()
         base.release()
     assert md.engine.sched.adapters.in_use() == 0   # the encode gave its slot back
+    # A variant that is not a name is refused by name, by the engine's own call too.
+    with pytest.raises(SettingsError, match=r"settings\['variant'\] must be an adapter name"):
+        md.engine.encode(SQ, ["ft-beta@7"])
 
 
 def test_requests_for_another_adapter_wait_for_a_free_slot(md):

@@ -56,7 +56,7 @@ from .inflight import PipelineState
 from .pages import pages_for
 from .request import EngineError, Handle, Request, RequestError
 from .scheduler import Outbox, Scheduler, Seq, adapter_key
-from .settings import Settings
+from .settings import parse as parse_settings
 from .stepmeta import M_TABLE, pack_decode, pack_prefill
 
 _I32 = np.int32
@@ -283,8 +283,9 @@ class Engine:
     def encode(self, image, variant: str | None = None) -> Handle:
         """Encode an image into the prefix cache and pin it there: the handle's result is an
         `EncodedImage` (release it, or drop it, to unpin).  `variant`: a loaded adapter's
-        name, the image prefix computed under it."""
-        return self.submit(Request("encode", [], image, Settings(variant=variant)))
+        name, the image prefix computed under it (checked as settings["variant"] is: a bad
+        value raises `SettingsError` by name here)."""
+        return self.submit(Request("encode", [], image, parse_settings({"variant": variant})))
 
     def _admit(self, h: Handle) -> Seq:
         req, cfg = h.request, self.cfg
