@@ -212,14 +212,18 @@ def program_rows(device, batch: int, models, weights=None, lora_slots: int = 0,
         yield compile_row("program", P.forward, (params, dev.pool, dev.slots[0], dev.pending,
                                                  a["meta"], a["owners"], 16, *ad), device,
                           program="forward_s16", **info)
-        for (stochastic, region), prog in P.sample_step.items():
+        # Every variant without logprobs, and the widest one with them.
+        for (stochastic, region, lp), prog in P.sample_step.items():
+            if lp and not (stochastic and region):
+                continue
             yield compile_row("program", prog, (params, dev.slots[0], dev.pending,
                                                 dev.tables, a["samp"]), device,
-                              program=f"sample_step{stochastic, region}", **info)
+                              program=f"sample_step{stochastic, region}"
+                              + ("_logprobs" if lp else ""), **info)
         # The sampler with the output shapes' bitmask (rows held to a JSON schema).
         words = jax.ShapeDtypeStruct((a["samp"].shape[1], (cfg.text.vocab_size + 31) // 32),
                                  np.int32)
-        yield compile_row("program", P.sample_step[(True, True)],
+        yield compile_row("program", P.sample_step[(True, True, False)],
                           (params, dev.slots[0], dev.pending, dev.tables, a["samp"], words),
                           device, program="sample_step_masked", **info)
         yield compile_row("program", P.ceiling, (params, dev.pool, dev.slots[0], dev.pending,

@@ -1,4 +1,5 @@
-"""What does a row held to a JSON schema cost the batch's step?
+"""What does a row held to a JSON schema (or asking for log-probabilities) cost the batch's
+step?
 
 One engine (pipelined, as users run it) decodes a batch of `--batch` rows for `--steps`
 steps, EOS ignored, with 0, k... of its rows held to a JSON schema (`--constrained`, default
@@ -17,7 +18,12 @@ never has to end: every step of the run is constrained).  The model is a benchma
 (random weights) with the byte-level test tokenizer (tests/fixtures/chat), since shapes are
 defined over token bytes.
 
+With `--logprobs K` the rows counted by `--constrained` ask for log-probabilities with K
+alternatives instead ("kind": "logprobs"; the host's mask and consume costs are not measured,
+and `copy_bytes` is what each step copies back to the host besides the sampled ids).
+
     python bench/shapes.py                         # small, batch 32, 48 steps, 3 rounds
+    python bench/shapes.py --logprobs 5 --constrained 0 1 32
     python bench/shapes.py --config tiny --batch 4 --constrained 0 2 --steps 8 --reps 1
 """
 
@@ -49,7 +55,7 @@ def _model(config: str):
     return Model(base.cfg, base.params, tok, device=base.device)
 
 
-def _run(eng, model, enc, batch: int, constrained: int, steps: int):
+def _run(eng, model, enc, batch: int, constrained: int, steps: int, logprobs=None):
     import numpy as np
 
     from photon_jax.engine.request import Request
@@ -59,7 +65,9 @@ def _run(eng, model, enc, batch: int, constrained: int, steps: int):
     rng = np.random.default_rng(0)
     reqs = [Request("text", rng.integers(10, 290, PROMPT_TOKENS).tolist(), enc,
                     Settings(temperature=0.0, max_tokens=steps + 1,
-                             shape=shape if i < constrained else None), ignore_eos=True)
+                             shape=shape if i < constrained and logprobs is None else None,
+                             logprobs=logprobs if i < constrained else None),
+                    ignore_eos=True)
             for i in range(batch)]
     before = len(eng.step_log())
     for h in eng.submit_many(reqs):
@@ -101,6 +109,9 @@ def main(argv=None) -> int:
     ap.add_argument("--constrained", type=int, nargs="+", default=[0, 8, 32])
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--logprobs", type=int, default=None, metavar="K",
+                    help="the counted rows ask for log-probabilities (K alternatives) instead "
+                         "of a shape")
     args = ap.parse_args(argv)
     reexec_with_allocator_env(__file__)
 
@@ -111,27 +122,37 @@ def main(argv=None) -> int:
     eng = Engine(model, max_batch_size=args.batch,
                  prefill_tokens=args.batch * (model.cfg.prefix_len + 64))
     try:
+        lp = args.logprobs
         for k in args.constrained:   # compiles (the masked sampler on first use)
-            _run(eng, model, enc, args.batch, k, 4)
+            _run(eng, model, enc, args.batch, k, 4, lp)
         steps = {k: [] for k in args.constrained}
         fins = {k: [] for k in args.constrained}
         for _ in range(args.reps):
             for k in args.constrained:
-                s, f = _run(eng, model, enc, args.batch, k, args.steps)
+                s, f = _run(eng, model, enc, args.batch, k, args.steps, lp)
                 steps[k].append(s)
                 fins[k].append(f)
-        host = _host_costs(eng)
+        host = _host_costs(eng) if lp is None else {}
     finally:
         eng.close()
     words = (model.cfg.text.vocab_size + 31) // 32
     base = median(steps[args.constrained[0]])
+    if lp is None:
+        cost = {"mask_bytes": {k: (4 * words * args.batch if k else 0)
+                               for k in args.constrained}}
+    else:   # the slot's logprobs rows (`step.Slot.logprobs`), int32
+        from photon_jax.engine.step import TOP_LOGPROBS
+
+        row = 4 * (1 + 2 * TOP_LOGPROBS)
+        cost = {"logprobs": lp, "copy_bytes": {k: (row * args.batch if k else 0)
+                                               for k in args.constrained}}
     print(json.dumps({
-        "kind": "shapes", "config": args.config, "batch": args.batch, "steps": args.steps,
-        "reps": args.reps,
+        "kind": "shapes" if lp is None else "logprobs", "config": args.config,
+        "batch": args.batch, "steps": args.steps, "reps": args.reps,
         "step_ms": {k: round(median(v), 2) for k, v in steps.items()},
         "over_none": {k: round(median(v) / base, 3) for k, v in steps.items()},
         "finalize_ms": {k: round(median(v), 3) for k, v in fins.items()},
-        "mask_bytes": {k: (4 * words * args.batch if k else 0) for k in args.constrained},
+        **cost,
         "runs_step_ms": {k: [round(x, 2) for x in v] for k, v in steps.items()},
         **host, **env_info()}), flush=True)
     return 0

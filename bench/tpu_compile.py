@@ -227,13 +227,16 @@ def program_calls(cfg, a: dict, batch: int, grouped: str | None = None, tp=None,
     for rows, meta in a["meta"].items():
         yield "forward", {"rows": rows}, P.forward, (params, dev.pool, dev.slots[0],
                                                     dev.pending, meta, a["owners"], 1, *ad)
-    for (stochastic, region), prog in P.sample_step.items():
-        yield (f"sample_step{stochastic, region}", {"rows": batch}, prog,
-               (params, dev.slots[0], dev.pending, dev.tables, a["samp"]))
+    # Every variant without logprobs, and the widest one with them.
+    for (stochastic, region, lp), prog in P.sample_step.items():
+        if lp and not (stochastic and region):
+            continue
+        yield (f"sample_step{stochastic, region}" + ("_logprobs" if lp else ""),
+               {"rows": batch}, prog, (params, dev.slots[0], dev.pending, dev.tables, a["samp"]))
     # The sampler with the output shapes' bitmask (rows held to a JSON schema).
     words = jax.ShapeDtypeStruct((a["samp"].shape[1], (cfg.text.vocab_size + 31) // 32),
                                  np.int32)
-    yield ("sample_step_masked", {"rows": batch}, P.sample_step[(True, True)],
+    yield ("sample_step_masked", {"rows": batch}, P.sample_step[(True, True, False)],
            (params, dev.slots[0], dev.pending, dev.tables, a["samp"], words))
     # A prompt of 64 tokens after the image prefix, per prefill row bucket.
     prompt = 64

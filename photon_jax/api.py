@@ -39,7 +39,7 @@ from .engine import compile_cache as compile_cache_mod, kvpool, memory
 from .engine.core import Engine
 from .engine.frontend import EncodedImage, PreparedImage, prepare_image
 from .engine.request import EngineError, Handle, Request, RequestError
-from .engine.settings import SettingsError, parse
+from .engine.settings import MAX_TOP_LOGPROBS, SettingsError, parse
 from .model import lora, platforms, sharding
 from .model.config import MoondreamConfig, Weights
 from .model.loaded import Model
@@ -317,7 +317,7 @@ class Moondream:
 
     def _caption(self, image, length, stream, settings, return_metrics) -> "_Call":
         return self._submit(image, _Shared(None), stream, self._caption_maker(length, settings),
-                            lambda r: {"caption": r["text"]}, key="caption",
+                            lambda r: _scored({"caption": r["text"]}, r), key="caption",
                             return_metrics=return_metrics)
 
     def start(self, image: ImageLike, *, question: str | None = None, length: str = "normal",
@@ -364,8 +364,8 @@ class Moondream:
         questions = _check_strings(question, "question")
 
         def shape(r):
-            return {"reasoning": r["reasoning"], "answer": r["text"]} if reasoning else \
-                {"answer": r["text"]}
+            return _scored({"reasoning": r["reasoning"], "answer": r["text"]} if reasoning
+                           else {"answer": r["text"]}, r)
 
         return self._submit(image, questions, stream,
                             self._query_maker(self._parse(settings), reasoning, spatial_refs), shape,
@@ -500,11 +500,12 @@ class Moondream:
         user message (anything else is refused by name).
         reasoning: Moondream's grounded reasoning before the answer; None = on, as kestrel's
         chat defaults.  settings: `query`'s, with "json_schema" / "regex" / "choices" to hold
-        the answer to a shape.
+        the answer to a shape, and "logprobs" (True, or 0-20 alternatives per token).
         -> {"message": {"role": "assistant", "content", ["reasoning", "reasoning_details":
-        {"grounding"}]}, "finish_reason"}.  stream=True: an iterator of deltas,
+        {"grounding"}]}, "finish_reason"[, "logprobs"]}.  stream=True: an iterator of deltas,
         {"reasoning", "reasoning_details"} first when reasoning, then {"content": piece} per
-        text piece, then {"finish_reason"}."""
+        text piece, then {"finish_reason"}; with "logprobs", each delta after the reasoning
+        carries the entries of the tokens committed since the one before."""
         call = self._chat(messages, reasoning, stream, settings, return_metrics)
         if stream:
             return _chat_deltas(call.handles[0])
@@ -709,7 +710,14 @@ def _chat_result(r: dict, reasoning: bool) -> dict:
         message["reasoning"] = r["reasoning"]["text"]
         if r["reasoning"]["grounding"]:
             message["reasoning_details"] = {"grounding": r["reasoning"]["grounding"]}
-    return {"message": message, "finish_reason": r["finish_reason"]}
+    return _scored({"message": message, "finish_reason": r["finish_reason"]}, r)
+
+
+def _scored(out: dict, r: dict) -> dict:
+    """A result with the answer tokens' log-probabilities when its settings asked for them:
+    "logprobs", a list of {"id", "token", "bytes", "logprob", "top_logprobs"} (OpenAI's
+    entries, plus the token id)."""
+    return out if "logprobs" not in r else {**out, "logprobs": r["logprobs"]}
 
 
 def _reasoning_delta(rs: dict) -> dict:
@@ -726,9 +734,9 @@ def _chat_deltas(h: Handle):
             if rs is not None:
                 yield _reasoning_delta(rs)
         for piece in h.text_stream():
-            yield {"content": piece}
+            yield _scored_delta(h, {"content": piece})
         h.result()
-        yield {"finish_reason": h.metrics()["finish_reason"]}
+        yield _scored_delta(h, {"finish_reason": h.metrics()["finish_reason"]})
 
 
 async def _achat_deltas(h: Handle):
@@ -737,8 +745,16 @@ async def _achat_deltas(h: Handle):
         if rs is not None:
             yield _reasoning_delta(rs)
     async for piece in aio.text_stream(h):
-        yield {"content": piece}
-    yield {"finish_reason": h.metrics()["finish_reason"]}
+        yield _scored_delta(h, {"content": piece})
+    yield _scored_delta(h, {"finish_reason": h.metrics()["finish_reason"]})
+
+
+def _scored_delta(h: Handle, d: dict) -> dict:
+    """A chat stream's delta with the log-probability entries of the tokens committed since
+    the last delta, when the request asked for them (the final delta carries any left)."""
+    if h.request.settings.logprobs is None:
+        return d
+    return {**d, "logprobs": h.take_logprobs()}
 
 
 @contextlib.contextmanager

@@ -116,7 +116,7 @@ def test_gpu_compile_script_lowers_every_program_without_the_cuda_plugin():
                         "copy_pages",
                         "sample_step(False, False)", "sample_step(False, True)",
                         "sample_step(True, False)", "sample_step(True, True)",
-                        "sample_step_masked"}
+                        "sample_step(True, True)_logprobs", "sample_step_masked"}
     kernels = [r for r in rows if r["what"] == "kernel"]
     # Our kernel: every split variant at full Moondream 2 and 3 shapes, every pool dtype.
     assert {(r["model"], r["kv_dtype"], r["splits"]) for r in kernels if r["page_size"] == 64
@@ -190,6 +190,9 @@ def test_shapes_bench_smoke():
                  "--steps", "8", "--reps", "1")
     assert row["kind"] == "shapes" and set(row["step_ms"]) == {"0", "2"}
     assert row["mask_bytes"]["2"] == 4 * 4 * 1024 and row["mask_us"] > 0
+    (row,) = run("shapes.py", "--config", "tiny", "--batch", "4", "--constrained", "0", "2",
+                 "--steps", "8", "--reps", "1", "--logprobs", "3")
+    assert row["kind"] == "logprobs" and row["copy_bytes"] == {"0": 0, "2": 4 * 41 * 4}
 
 
 def test_lora_bench_smoke():
@@ -294,7 +297,9 @@ def test_tpu_compile_lower_only_lowers_every_serving_program_for_tpu():
     progs = {r["program"] for r in rows}
     assert {"forward", "prefill_slot", "write_prefix_pages", "copy_pages", "encode_image",
             "image_kv", "sample_step_masked"} <= progs
-    assert sum(p.startswith("sample_step") for p in progs) == 5   # 4 variants + the masked
+    assert "sample_step(True, True)_logprobs" in progs
+    # 4 variants, the widest with logprobs, the masked
+    assert sum(p.startswith("sample_step") for p in progs) == 6
     # The tiny config's two layers, at every row bucket; nothing else calls a TPU kernel.
     assert [r["tpu_kernels"] for r in rows if r["program"] == "forward"] == [2, 2, 2]
     assert {r["tpu_kernels"] for r in rows if r["program"] != "forward"} == {0}

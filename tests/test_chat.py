@@ -226,3 +226,112 @@ def test_moondream3_chat_uses_kestrels_openers(md3_ckpt):
                                          Settings(temperature=0, max_tokens=6))).result()
         assert out["message"]["content"] == want["text"]
         assert out["metrics"]["input_tokens"] == m.cfg.prefix_len + len(ids[False])
+
+
+# -- log-probabilities ----------------------------------------------------------------------
+
+def _reference_logprobs(m, image, prompt, ids):
+    """log_softmax of the one-request path's logits at each answer position, the answer's
+    ids fed back (teacher-forced): [len(ids), V]."""
+    import jax
+    import numpy as np
+    from photon_jax.model.config import KIND_TOKEN
+
+    sess = reference._Session(m, reference.encode_image(m, image))
+    _, _, lg = sess.prefill(prompt)
+    out = []
+    for t in ids:
+        out.append(np.asarray(jax.nn.log_softmax(np.asarray(lg[0], np.float32))))
+        _, lg = sess.decode(KIND_TOKEN, t)
+    return np.stack(out)
+
+
+def test_logprobs_are_the_models_own_and_ride_with_the_answer(md):
+    """Each answer token's entry: its log-probability and the k most likely ids at its
+    position, equal to the one-request path's log_softmax (teacher-forced); greedy and
+    sampled answers alike, and unchanged answers beside them."""
+    import numpy as np
+
+    m = md._m
+    for s in ({"temperature": 0, "max_tokens": 8}, {"temperature": 1.0, "seed": 5, "max_tokens": 8}):
+        plain = md.query(LAND, "w9", settings=s)
+        r = md.query(LAND, "w9", settings={**s, "logprobs": 3})
+        assert r["answer"] == plain["answer"] and "logprobs" not in plain
+        ids = [e["id"] for e in r["logprobs"]]
+        assert len(ids) == len(r["logprobs"]) >= 4
+        assert m.prompts.decode(ids) == r["answer"]
+        want = _reference_logprobs(m, LAND, m.prompts.query("w9"), ids)
+        for e, lp in zip(r["logprobs"], want):
+            assert abs(e["logprob"] - lp[e["id"]]) < 2e-4, (e, lp[e["id"]])
+            best = np.argsort(-lp)[:3]
+            assert [t["id"] for t in e["top_logprobs"]] == best.tolist()
+            assert np.allclose([t["logprob"] for t in e["top_logprobs"]], lp[best], atol=2e-4)
+            assert e["bytes"] == list(m.prompts.token_bytes(e["id"]))
+            assert e["token"] == bytes(e["bytes"]).decode("utf-8", errors="replace")
+    # logprobs=True (0 alternatives), and a stream: its deltas carry the same entries.
+    convo = [{"role": "user", "content": [{"type": "image", "image": LAND},
+                                          {"type": "text", "text": "w9"}]}]
+    s = {"temperature": 0, "max_tokens": 8, "logprobs": True}
+    whole = md.chat(convo, reasoning=False, settings=s)
+    assert whole["logprobs"] and all(e["top_logprobs"] == [] for e in whole["logprobs"])
+    deltas = list(md.chat(convo, reasoning=False, stream=True, settings=s))
+    assert [e for d in deltas for e in d["logprobs"]] == whole["logprobs"]
+    assert "".join(d.get("content", "") for d in deltas) == whole["message"]["content"]
+
+
+def test_logprob_rows_beside_plain_rows_in_one_batch(md):
+    """A step whose rows differ (some ask for log-probabilities, some not) gives each row
+    what it gets alone."""
+    import numpy as np
+    from photon_jax.engine.request import Request
+    from photon_jax.engine.settings import parse
+
+    m = md._m
+    prompts = [m.prompts.query("w9"), m.prompts.query("w5 w6"), m.prompts.caption("short")]
+    kinds = [{"logprobs": 2, "seed": 1}, {"seed": 2}, {"logprobs": 0, "seed": 3}]
+    base = {"temperature": 1.0, "max_tokens": 6}
+    alone = [md.engine.submit(Request("text", p, LAND, parse({**base, **k}))).result()
+             for p, k in zip(prompts, kinds)]
+    together = [h.result() for h in md.engine.submit_many(
+        [Request("text", p, LAND, parse({**base, **k})) for p, k in zip(prompts, kinds)])]
+
+    def split(r):   # (the result without values, the values)
+        r = json.loads(json.dumps(r))
+        values = [[e.pop("logprob")] + [t.pop("logprob") for t in e["top_logprobs"]]
+                  for e in r.get("logprobs", [])]
+        return r, values
+
+    # The same answers and entries; the values to float32 noise (a batch of 4 rows runs
+    # another compiled program than a batch of 1).
+    for a, b in zip(together, alone):
+        (ra, va), (rb, vb) = split(a), split(b)
+        assert ra == rb
+        assert len(va) == len(vb) and all(np.allclose(x, y, atol=1e-5) for x, y in zip(va, vb))
+    assert "logprobs" not in alone[1] and len({r["text"] for r in alone}) == 3
+    for r, k in ((alone[0], 3), (alone[2], 1)):   # own + alternatives, per answer token
+        assert [len(v) for v in split(r)[1]] == [k] * len(r["ids"]) and r["ids"]
+
+
+def test_logprobs_settings_refused_by_name(md):
+    from photon_jax.engine.settings import SettingsError, parse
+
+    assert parse({"logprobs": True}).logprobs == 0 and parse({"logprobs": False}).logprobs is None
+    assert parse({"logprobs": 0}).logprobs == 0
+    assert parse({"logprobs": 20}).logprobs == 20
+    for bad in (21, -1, "5", 2.5):
+        with pytest.raises(SettingsError, match="logprobs"):
+            parse({"logprobs": bad})
+    with pytest.raises(RequestError, match="logprobs.*drop the setting"):
+        md.detect(LAND, "w3", settings={"logprobs": 2})
+
+
+def test_token_bytes_of_a_byte_level_tokenizer_rebuild_the_text():
+    """Byte-level BPE tokens can hold part of a UTF-8 character: their bytes, not their
+    decoded text, add up to the answer."""
+    from photon_jax.model.tokenizer import Prompts
+
+    p = Prompts(BYTE_TOK, None)
+    text = " héllo wörld 😀 ¬"
+    ids = BYTE_TOK.encode(text).ids
+    assert b"".join(p.token_bytes(i) for i in ids) == text.encode()
+    assert any(BYTE_TOK.decode([i]) == "\ufffd" for i in ids)   # a split character

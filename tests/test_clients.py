@@ -544,6 +544,21 @@ def test_openai_chat_completions(servers):
     with pytest.raises(openai.BadRequestError, match="byte-level tokenizer"):
         client.chat.completions.create(model="tiny", messages=convo,
                                        response_format={"type": "json_object"})
+    # logprobs / top_logprobs, as the SDK parses them (its own types), plain and streamed.
+    scored = md.query(png, "What is this?", reasoning=True, settings={**S, "logprobs": 2})
+    out = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                         max_completion_tokens=10, logprobs=True,
+                                         top_logprobs=2)
+    got = out.choices[0].logprobs.content
+    assert [(t.token, t.bytes, t.logprob) for t in got] == \
+        [(e["token"], e["bytes"], e["logprob"]) for e in scored["logprobs"]]
+    assert [[a.token for a in t.top_logprobs] for t in got] == \
+        [[a["token"] for a in e["top_logprobs"]] for e in scored["logprobs"]]
+    chunks = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                            max_completion_tokens=10, logprobs=True,
+                                            top_logprobs=2, stream=True)
+    assert [t.logprob for c in chunks if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.content] == [t.logprob for t in got]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=servers.keyed.url + "/v1", api_key="wrong",
                       max_retries=0).chat.completions.create(model="tiny", messages=messages)

@@ -281,6 +281,50 @@ def test_chat_completions(live):
         a["metrics"]["output_tokens"] for a in answers)
 
 
+def test_chat_completions_logprobs(live):
+    """OpenAI's logprobs / top_logprobs: the answer tokens' entries, as the API gives them,
+    in the choice (and, streamed, spread over the chunks in token order); Moondream's
+    /v1/query streams them in its events."""
+    md, uri = live.md, data_uri(SQ)
+    body = {"max_completion_tokens": 8, "temperature": 0, "reasoning": False,
+            "logprobs": True, "top_logprobs": 2, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": uri}},
+                {"type": "text", "text": "What is this?"}]}]}
+    want = md.query(uri_bytes(uri), "What is this?", settings={**S, "logprobs": 2})
+    st, _, out = call(live, "/v1/chat/completions", body)
+    assert st == 200, out
+    ch = out["choices"][0]
+    assert ch["message"]["content"] == want["answer"]
+    assert ch["logprobs"] == {"content": want["logprobs"], "refusal": None}
+    assert [len(e["top_logprobs"]) for e in want["logprobs"]] == [2] * len(want["logprobs"])
+    st, _, text = call(live, "/v1/chat/completions", {**body, "stream": True})
+    events = sse(text)[:-1]
+    got = [e for ev in events for e in (ev["choices"][0].get("logprobs") or {}).get(
+        "content", [])]
+    assert got == want["logprobs"]
+    # Without logprobs, no "logprobs" key (the response is as before).
+    st, _, out = call(live, "/v1/chat/completions", {**body, "logprobs": None,
+                                                     "top_logprobs": None})
+    assert "logprobs" not in out["choices"][0]
+    # Moondream's route: settings.logprobs, in the result and in the stream's events.
+    q = {"image_url": uri, "question": "What is this?", "settings": {**S, "logprobs": 1}}
+    st, _, out = call(live, "/v1/query", q)
+    assert st == 200 and [e["id"] for e in out["logprobs"]] == \
+        [e["id"] for e in want["logprobs"]]
+    st, _, text = call(live, "/v1/query", {**q, "stream": True})
+    assert [e["id"] for ev in sse(text) for e in ev.get("logprobs", [])] == \
+        [e["id"] for e in want["logprobs"]]
+    # Refused by name.
+    for bad_body, param in (({"top_logprobs": 2, "logprobs": False}, "top_logprobs"),
+                            ({"top_logprobs": 21}, "top_logprobs"),
+                            ({"logprobs": "yes"}, "logprobs")):
+        st, _, out = call(live, "/v1/chat/completions", {**body, **bad_body})
+        assert st == 400 and out["error"]["param"] == param, out
+    st, _, out = call(live, "/v1/detect", {"image_url": uri, "object": "w3",
+                                          "settings": {"logprobs": 1}})
+    assert st == 400 and "logprobs" in out["error"]["message"], out
+
+
 def test_models_health_metrics(live):
     st, _, out = call(live, "/v1/models")
     assert st == 200 and out["data"][0]["id"] == "tiny" and out["object"] == "list"

@@ -77,12 +77,12 @@ class StepTiming(NamedTuple):
 
 
 class _InFlightStep:
-    __slots__ = ("kind", "slot", "seqs", "index", "meta", "out", "t_launch", "t_finalize",
-                 "t0")
+    __slots__ = ("kind", "slot", "seqs", "index", "meta", "out", "logprobs", "t_launch",
+                 "t_finalize", "t0")
 
     def __init__(self, kind, slot, seqs, index, meta):
         self.kind, self.slot, self.seqs, self.index, self.meta = kind, slot, seqs, index, meta
-        self.out = None
+        self.out = self.logprobs = None
         self.t_launch = self.t_finalize = 0.0
         self.t0 = time.perf_counter()
 
@@ -310,11 +310,17 @@ class Engine:
                                    f"(caption, query, chat); {req.skill} output has its own "
                                    "format: drop the setting")
             shape = self.grammars.matcher(*req.settings.shape)
+        if req.settings.logprobs is not None and not encode and req.skill != "text":
+            raise RequestError(f"settings['logprobs'] is for text answers (caption, query, "
+                               f"chat); {req.skill} output has no answer tokens to score: "
+                               "drop the setting")
         skill = None if encode else skills.for_request(
             req, cfg.tokenizer, prompt_end=p_end, max_context=self.max_context,
             decode=self.model.prompts.decode,
             on_text=functools.partial(self.sched.outbox.text, h),
-            on_reasoning=functools.partial(self.sched.outbox.reasoning, h), shape=shape)
+            on_reasoning=functools.partial(self.sched.outbox.reasoning, h), shape=shape,
+            token_bytes=self.model.prompts.token_bytes,
+            on_logprob=functools.partial(self.sched.outbox.logprob, h))
         seq = Seq(h, base, p_end, skill)
         h.id = seq.id
         if req.settings.variant is not None:
@@ -414,7 +420,9 @@ class Engine:
                                                    jax.device_put(pages, self.placement), splits,
                                                    *self._lora_arg())
                     dev.pool = dev.pool.merge(part)
-            for sampler in P.sample_step.values():
+            for (_, _, logprobs), sampler in P.sample_step.items():
+                if logprobs:   # compiled on first use: few requests ask for them
+                    continue
                 dev = self.dev
                 dev.slots[0], dev.pending = sampler(params, dev.slots[0], dev.pending,
                                                     dev.tables, samp)
@@ -730,8 +738,11 @@ class Engine:
                     mask[i] = m
         # The program variant, known here without asking the device: does any row draw at
         # random, can any row's constraint yield a coordinate or size, is any row shaped?
+        # And does any row want log-probabilities (a variant that also writes them)?
+        logprobs = any(not s.finalized and s.req.settings.logprobs is not None
+                       for s in st.seqs)
         sampler = self.programs.sampler(bool(np.any(temps > 0)), bool(np.isin(
-            samp[step_mod.S_CONSTRAINT, :len(st.seqs)], constraints.REGION).any()))
+            samp[step_mod.S_CONSTRAINT, :len(st.seqs)], constraints.REGION).any()), logprobs)
         with hostsync.sync_free():
             samp_d = jax.device_put(samp, self.placement)
             extra = () if mask is None else (jax.device_put(mask, self.placement),)
@@ -740,10 +751,14 @@ class Engine:
                 self.model.params, dev.slots[st.slot], dev.pending, dev.tables, samp_d,
                 *extra)
             st.out = self.dev.slots[st.slot].out
+            if logprobs:
+                st.logprobs = self.dev.slots[st.slot].logprobs
         # Started outside the guard: on an accelerator jaxlib applies the device-to-host
         # guard inside copy_to_host_async itself (CPU buffers are zero-copy and exempt).
         # Starting a copy only enqueues it; commit waits for it a step later.
         st.out.copy_to_host_async()
+        if logprobs:
+            st.logprobs.copy_to_host_async()
         for s in st.seqs:
             s.pending_ready = True
         self.pipe.on_sampled(st)
@@ -755,10 +770,11 @@ class Engine:
         st = self.pipe.pop_oldest()
         t0 = time.perf_counter()
         host = np.array(st.out)   # a copy: a live view would defeat the slot's donation
+        lps = None if st.logprobs is None else np.array(st.logprobs)
         t1 = time.perf_counter()
-        st.out = None
+        st.out = st.logprobs = None
         self.counters["tokens"] += self.sched.commit(st.seqs, host[:, 0],
-                                                     host[:, 1:3].view(np.float32), t1)
+                                                     host[:, 1:3].view(np.float32), t1, lps)
         if self.host_work_s:
             end = t1 + self.host_work_s
             while time.perf_counter() < end:

@@ -10,6 +10,7 @@ runner to wake it (after `cancel`) and to say whether it is still alive (`Runner
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -66,6 +67,7 @@ class Handle:
         self._reasoning = None
         self._reasoned = threading.Event()
         self._texts: queue.SimpleQueue = queue.SimpleQueue()
+        self._logprobs: collections.deque = collections.deque()
         self.cancel_requested = False
         self._callbacks: list = []
         self._cb_lock = threading.Lock()
@@ -203,6 +205,19 @@ class Handle:
         self._output_tokens += 1
         if self._t_first is None:
             self._t_first = now
+
+    def deliver_logprob(self, entry: dict) -> None:
+        """An answer token's log-probability entry (settings "logprobs"), delivered before
+        the text piece that holds the token."""
+        self._logprobs.append(entry)
+
+    def take_logprobs(self) -> list:
+        """The log-probability entries delivered since the last call (a stream sends them
+        with the text they came with), in token order."""
+        out = []
+        while self._logprobs:   # one taker; the scheduler thread only appends
+            out.append(self._logprobs.popleft())
+        return out
 
     def deliver_text(self, piece: str) -> None:
         self._texts.put(piece)

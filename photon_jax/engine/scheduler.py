@@ -69,6 +69,9 @@ class Outbox:
     def token(self, h: Handle, now: float) -> None:
         self._queue.append((h.deliver_token, (now,)))
 
+    def logprob(self, h: Handle, entry: tuple) -> None:
+        self._queue.append((h.deliver_logprob, (entry,)))
+
     def text(self, h: Handle, piece: str) -> None:
         self._queue.append((h.deliver_text, (piece,)))
 
@@ -454,10 +457,11 @@ class Scheduler:
 
     # -- commit ---------------------------------------------------------------------------
 
-    def commit(self, seqs: list[Seq], tokens, values, now: float) -> int:
+    def commit(self, seqs: list[Seq], tokens, values, now: float, logprobs=None) -> int:
         """Feed one committed step to its rows (tokens[i], values[i] for seqs[i]): finalize
         the rows that finished (results go to the outbox), release zombies whose last step
-        this was.  -> tokens committed (zombie rows excluded)."""
+        this was.  `logprobs`: the step's `step.Slot.logprobs` rows, when its sampler
+        computed them.  -> tokens committed (zombie rows excluded)."""
         self.commits += 1
         n = 0
         for i, s in enumerate(seqs):
@@ -468,8 +472,11 @@ class Scheduler:
                 continue
             self.outbox.token(s.handle, now)
             s.generated.append(int(tokens[i]))
+            args = (int(tokens[i]), values[i])
+            if logprobs is not None and s.req.settings.logprobs is not None:
+                args += (logprobs[i],)   # the skill keeps an answer token's
             try:
-                reason = s.skill.consume(int(tokens[i]), values[i])
+                reason = s.skill.consume(*args)
             except Exception as e:  # e.g. a tokenizer failure: this request alone fails
                 self.finalize(s, "error", error=e)
                 continue

@@ -14,8 +14,9 @@ DEFAULT_SEED = 0
 
 SHAPES = ("json_schema", "regex", "choices")
 KNOWN = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "repeat_stop",
-         "stop", "variant") + SHAPES
+         "stop", "variant", "logprobs") + SHAPES
 MAX_STOPS = 4   # OpenAI's bound
+MAX_TOP_LOGPROBS = 20   # alternatives per token (OpenAI's bound; the sampler's static width)
 MAX_STOP_CHARS = 256   # each: the stream's hold-back check is quadratic in it
 # A shape's spec as canonical JSON: llguidance bounds the grammar it builds (500k symbols),
 # but compiling one that large takes ~0.2 s and its per-token masks up to ~25 ms a row
@@ -44,6 +45,10 @@ class Settings:
     stop: tuple = ()
     # The LoRA adapter (a finetune "variant") the answer is generated under; None: the base.
     variant: str | None = None
+    # Log-probabilities of the answer's tokens: None = off; k = each token's own and the k
+    # most likely ids at its position (k <= MAX_TOP_LOGPROBS).  From the model's logits as
+    # they are, before temperature, top-p and shapes (vLLM's default, "raw" logprobs).
+    logprobs: int | None = None
 
 
 def _int(name, v, lo):
@@ -101,6 +106,16 @@ def parse(settings: dict | None) -> Settings:
             raise SettingsError(f"settings['variant'] must be an adapter name (a string of at "
                                 f"most 256 characters), got {str(v)[:80]!r}")
         out["variant"] = v
+    lp = s.get("logprobs")
+    if lp is not None and lp is not False:   # (0 == False: 0 alternatives is "on")
+        if lp is True:
+            lp = 0
+        if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_TOP_LOGPROBS:
+            raise SettingsError(
+                f"settings['logprobs'] must be true (each answer token's log-probability) "
+                f"or an integer 0 to {MAX_TOP_LOGPROBS} (also that many most likely "
+                f"alternatives per token), got {str(lp)[:80]!r}")
+        out["logprobs"] = lp
     return Settings(**out)
 
 

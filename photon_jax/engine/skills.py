@@ -71,10 +71,15 @@ class TextSkill:
 
     def __init__(self, *, max_tokens: int, prompt_end: int, max_context: int, eos_id: int,
                  decode: Callable, on_text: Callable | None = None, ignore_eos: bool = False,
-                 repeat_stop: int | None = None, shape=None, stop: tuple = ()):
+                 repeat_stop: int | None = None, shape=None, stop: tuple = (),
+                 logprobs: int | None = None, token_bytes: Callable | None = None,
+                 on_logprob: Callable | None = None):
         self.max_tokens, self.prompt_end, self.max_context = max_tokens, prompt_end, max_context
         self.eos_id, self.ignore_eos, self.repeat_stop = eos_id, ignore_eos, repeat_stop
         self.on_text = on_text
+        # Log-probabilities (settings "logprobs"): an entry per answer token, EOS excluded.
+        self.logprobs, self.token_bytes, self.on_logprob = logprobs, token_bytes, on_logprob
+        self.entries: list[dict] = []
         self.shape = shape   # a grammar.Matcher, or None
         # Stop strings (settings "stop"): the answer ends before the first one, which is
         # not part of it.  Text that could be the start of one is held back from the
@@ -103,7 +108,9 @@ class TextSkill:
         """May token `index` be fed back to produce token index + 1 (unless it is EOS)?"""
         return index + 1 < self.max_tokens and self.prompt_end + index + 1 <= self.max_context
 
-    def consume(self, token: int, value) -> str | None:
+    def consume(self, token: int, value, logprobs=None) -> str | None:
+        """`logprobs`: the step's `step.Slot.logprobs` row of this request, when it asked
+        for them."""
         i = self.count
         self.count += 1
         if token == self.eos_id and not self.ignore_eos:
@@ -111,6 +118,8 @@ class TextSkill:
         if self.shape is not None:
             self.shape.consume(token)
         self.ids.append(token)
+        if logprobs is not None and self.logprobs is not None:
+            self._logprob(token, logprobs)
         piece = self.streamer.push(token)
         # The unreleased tail is decoded again only when a stop string could hide in it.
         if self._release(piece, self.streamer.pending() if self.stop else ""):
@@ -118,6 +127,25 @@ class TextSkill:
         if self.repeat_stop and repeats(self.ids, self.repeat_stop):
             return "repeat"
         return None if self.feedable(i) else "length"
+
+    def _logprob(self, token: int, row) -> None:
+        """OpenAI's entry for one answer token: its text, bytes and log-probability, and its
+        position's `self.logprobs` most likely alternatives, best first.  Delivered before the
+        token's text, so a stream that sends a piece has the entries of its tokens."""
+        k = (len(row) - 1) // 2
+        lps = row[:1 + k].view("float32")
+        entry = self._token(token, lps[0])
+        entry["top_logprobs"] = [self._token(int(t), lp)
+                                 for t, lp in zip(row[1 + k:1 + k + self.logprobs],
+                                                  lps[1:1 + self.logprobs])]
+        self.entries.append(entry)
+        if self.on_logprob is not None:
+            self.on_logprob(entry)
+
+    def _token(self, token: int, logprob) -> dict:
+        raw = self.token_bytes(token)
+        return {"id": token, "token": raw.decode("utf-8", errors="replace"),
+                "bytes": list(raw), "logprob": float(logprob)}
 
     def _release(self, piece: str, pending: str = "") -> bool:
         """Emit a piece the streamer released, minding the stop strings -> a stop string
@@ -151,8 +179,11 @@ class TextSkill:
         if not self._release(self.streamer.flush()):
             self._emit(self._held)
             self._held = ""
-        return {"text": "".join(self.pieces), "ids": list(self.ids),
-                "finish_reason": finish_reason, "output_tokens": self.count}
+        out = {"text": "".join(self.pieces), "ids": list(self.ids),
+               "finish_reason": finish_reason, "output_tokens": self.count}
+        if self.logprobs is not None:
+            out["logprobs"] = list(self.entries)
+        return out
 
 
 class _Ended:
@@ -241,13 +272,15 @@ class ReasoningSkill:
                  answer_id: int, coord_id: int, chunk_ids: tuple, decode: Callable,
                  on_text: Callable | None = None, on_reasoning: Callable | None = None,
                  ignore_eos: bool = False, repeat_stop: int | None = None, shape=None,
-                 stop: tuple = ()):
+                 stop: tuple = (), **answer):
+        """`answer`: the answer's log-probability arguments (`TextSkill`'s; the reasoning's
+        tokens get none)."""
         self.max_tokens, self.prompt_end, self.max_context = max_tokens, prompt_end, max_context
         self.answer_id, self.coord_id, self.chunk_ids = answer_id, coord_id, chunk_ids
         self.decode, self.on_reasoning = decode, on_reasoning
         self._answer_args = dict(max_tokens=max_tokens, max_context=max_context, eos_id=eos_id,
                                  decode=decode, on_text=on_text, ignore_eos=ignore_eos,
-                                 repeat_stop=repeat_stop, shape=shape, stop=stop)
+                                 repeat_stop=repeat_stop, shape=shape, stop=stop, **answer)
         self.chunks: list[list[int]] = [[]]
         self.coords: list[list[float]] = [[]]
         self.answer: TextSkill | None = None
@@ -280,11 +313,11 @@ class ReasoningSkill:
             return self.answer.feedable(index - self.start)
         return self.prompt_end + index + 1 <= self.max_context
 
-    def consume(self, token: int, value) -> str | None:
+    def consume(self, token: int, value, logprobs=None) -> str | None:
         i = self.count
         self.count += 1
         if self.answer is not None:
-            return self.answer.consume(token, value)
+            return self.answer.consume(token, value, logprobs)
         if token == self.answer_id:
             self.start = i + 1
             self.answer = TextSkill(prompt_end=self.prompt_end + self.start, **self._answer_args)
@@ -369,21 +402,24 @@ class PointsSkill:
 
 def for_request(req, tok, *, prompt_end: int, max_context: int, decode: Callable,
                 on_text: Callable | None = None, on_reasoning: Callable | None = None,
-                shape=None):
+                shape=None, token_bytes: Callable | None = None,
+                on_logprob: Callable | None = None):
     """The skill state machine of one request (a `request.Request`; tok: its model's
     `TokenizerConfig`): text (caption / query), reasoning query, segment, detect or point.
-    `shape`: the request's `grammar.Matcher` (text skills only)."""
+    `shape`: the request's `grammar.Matcher` (text skills only); `token_bytes` and
+    `on_logprob`: a text answer's log-probability entries (settings "logprobs")."""
     common = dict(prompt_end=prompt_end, max_context=max_context, eos_id=tok.eos_id,
                   ignore_eos=req.ignore_eos)
     text = dict(max_tokens=req.settings.max_tokens, decode=decode, on_text=on_text,
                 repeat_stop=req.settings.repeat_stop, **common)
+    answer = dict(shape=shape, stop=req.settings.stop, logprobs=req.settings.logprobs,
+                  token_bytes=token_bytes, on_logprob=on_logprob)
     if req.skill == "text" and req.reasoning:
         return ReasoningSkill(answer_id=tok.answer_id, coord_id=tok.coord_id,
                               chunk_ids=(tok.start_ground_points_id, tok.end_ground_id),
-                              on_reasoning=on_reasoning, shape=shape, stop=req.settings.stop,
-                              **text)
+                              on_reasoning=on_reasoning, **answer, **text)
     if req.skill == "text":
-        return TextSkill(shape=shape, stop=req.settings.stop, **text)
+        return TextSkill(**answer, **text)
     if req.skill == "segment":
         return SegmentSkill(coord_id=tok.coord_id, size_id=tok.size_id,
                             **{**text, "on_text": None})

@@ -56,6 +56,9 @@ from .stepmeta import (F_ADAPTER, F_LAST, F_PREFIX, F_START, M_ADAPTER, M_OFF, M
 # finalize: the row's pending-buffer row, constraint id, token index, seed, temperature and
 # top_p (float32 bits), then A rows of an optional per-row allowed-id set (-1 = unused).
 S_ROW, S_CONSTRAINT, S_INDEX, S_SEED, S_TEMP, S_TOP_P, S_ALLOW = range(7)
+# Alternatives per row the logprobs sampler computes: the most any request may ask for
+# (`settings.MAX_TOP_LOGPROBS`), so one compiled width serves every request.
+TOP_LOGPROBS = 20
 
 
 @flax.struct.dataclass
@@ -65,6 +68,10 @@ class Slot:
     logits: jax.Array   # [Rs, V] float32: forward output, read by sample
     hidden: jax.Array   # [Rs, D]: last hidden before post_ln (region heads read it)
     out: jax.Array      # [Rs, 3] int32: sampled id, value x bits, value y bits (host reads)
+    # [Rs, 1 + 2 K] int32 (K = TOP_LOGPROBS), written only by the logprobs variant of the
+    # sampler: the sampled id's log-probability, the K best ids' (float32 bits), the K ids.
+    # The host copies it only after such a step: the common step's copy stays 12 bytes a row.
+    logprobs: jax.Array
 
 
 @flax.struct.dataclass
@@ -158,7 +165,8 @@ jax.tree_util.register_dataclass(DeviceState, data_fields=["pool", "slots", "pen
 def init_slot(cfg: MoondreamConfig, rows: int) -> Slot:
     dt = jnp_dtype(cfg.dtype)
     return Slot(jnp.zeros((rows, cfg.text.vocab_size), F32), jnp.zeros((rows, cfg.text.dim), dt),
-                jnp.zeros((rows, 3), jnp.int32))
+                jnp.zeros((rows, 3), jnp.int32),
+                jnp.zeros((rows, 1 + 2 * min(TOP_LOGPROBS, cfg.text.vocab_size)), jnp.int32))
 
 
 def init_pending(rows: int) -> Pending:
@@ -253,7 +261,8 @@ def _prefill_slot(params, pool: KVPool, slot: Slot, kinds_RT, ids_RT, values_RT2
 
 
 def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, samp_FR, mask_RW=None,
-                 *, cfg, stochastic: bool = True, region: bool = True, candidates: int = 256):
+                 *, cfg, stochastic: bool = True, region: bool = True, candidates: int = 256,
+                 logprobs: bool = False):
     """Sample R rows of a forwarded step under their constraints; decode region values; write
     the host-bound results into the slot and the next inputs into the pending buffers.
 
@@ -261,7 +270,10 @@ def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, samp_FR, 
     temperature > 0: top-p draws; else argmax only), `region` (some row's constraint lets
     it emit a coordinate or size: run the region heads; else none is needed) and whether
     `mask_RW` is given (int32 [R, ceil(V / 32)]: some row's answer is held to a shape; bit
-    i of word w allows id 32 w + i, and an unshaped row's words are all ones)."""
+    i of word w allows id 32 w + i, and an unshaped row's words are all ones).
+    `logprobs` (some row asks for log-probabilities): also write each row's sampled id's
+    and its TOP_LOGPROBS best ids' log-probabilities into `slot.logprobs`, from the logits
+    as the forward gave them (before constraints, shapes and temperature)."""
     r = samp_FR.shape[1]
     tok_cfg = cfg.tokenizer
     rows = samp_FR[S_ROW]
@@ -300,9 +312,23 @@ def _sample_step(params, slot: Slot, pending: Pending, tables: Tables, samp_FR, 
         kind, value = jnp.full((r,), KIND_TOKEN, jnp.int32), zeros
     out = jnp.concatenate([tok[:, None], jax.lax.bitcast_convert_type(value, jnp.int32)], -1)
     slot = slot.replace(out=slot.out.at[:r].set(out))
+    if logprobs:
+        slot = slot.replace(logprobs=slot.logprobs.at[:r].set(
+            _logprobs(slot.logits[:r], tok, (slot.logprobs.shape[1] - 1) // 2)))
     pending = Pending(pending.kind.at[rows].set(kind), pending.token.at[rows].set(tok),
                       pending.value.at[rows].set(value))
     return slot, pending
+
+
+def _logprobs(logits_RV, tok_R, k: int):
+    """[R, 1 + 2 k] int32: log p(tok) and the k best log-probabilities (float32 bits, best
+    first), then their ids."""
+    lp = jax.nn.log_softmax(logits_RV.astype(F32), axis=-1)
+    own = jnp.take_along_axis(lp, tok_R[:, None], axis=1)
+    best, ids = jax.lax.top_k(lp, k)
+    return jnp.concatenate([jax.lax.bitcast_convert_type(own, jnp.int32),
+                            jax.lax.bitcast_convert_type(best, jnp.int32),
+                            ids.astype(jnp.int32)], axis=1)
 
 
 def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR,
@@ -388,7 +414,8 @@ class EnginePrograms:
     # compile per value (`decode_splits` picks it per step; only the GPU kernel uses it).
     forward: Callable
     prefill_slot: Callable
-    # sample_step[(stochastic, region)]: the four static variants of the sampling program.
+    # sample_step[(stochastic, region, logprobs)]: the static variants of the sampling
+    # program (the logprobs ones compile on first use, as the masked twins do).
     sample_step: dict
     ceiling: Callable
     # write_adapter(tables, slot, adapter): one adapter into a slot of the LoRA tables
@@ -397,11 +424,12 @@ class EnginePrograms:
     attention: str = "xla"   # the decode attention forward and ceiling were built with
     tp: object = None        # the mesh layout the engine's programs were built for
 
-    def sampler(self, stochastic: bool, region: bool) -> Callable:
+    def sampler(self, stochastic: bool, region: bool, logprobs: bool = False) -> Callable:
         """The sampling program of a step.  Called with the shapes' bitmask as one more
         argument, the same jitted function traces a masked twin on first use (warm-up does
-        not compile those: most engines never see a shaped request)."""
-        return self.sample_step[(stochastic, region)]
+        not compile those: most engines never see a shaped request; nor the `logprobs`
+        variants, for the same reason)."""
+        return self.sample_step[(stochastic, region, logprobs)]
 
     def decode_splits(self, lengths, page_size: int, sms: int | None = None) -> int:
         """The static `splits` argument of forward / ceiling for a decode step whose real
@@ -527,10 +555,10 @@ def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp,
         forward=jax.jit(partial(_forward, attention=attention, dense=dense, **e),
                         static_argnums=(6,), donate_argnums=(1, 2)),
         prefill_slot=jax.jit(partial(_prefill_slot, **e), donate_argnums=(1, 2)),
-        sample_step={(st, rg): jax.jit(partial(_sample_step, stochastic=st, region=rg,
-                                               candidates=candidates, **c),
-                                       donate_argnums=(1, 2))
-                     for st in (False, True) for rg in (False, True)},
+        sample_step={(st, rg, lp): jax.jit(partial(_sample_step, stochastic=st, region=rg,
+                                                   candidates=candidates, logprobs=lp, **c),
+                                           donate_argnums=(1, 2))
+                     for st in (False, True) for rg in (False, True) for lp in (False, True)},
         ceiling=jax.jit(partial(_ceiling, attention=attention, dense=dense, **e),
                         static_argnums=(8,), donate_argnums=(1, 2, 3)),
         write_adapter=jax.jit(lora.write_slot, donate_argnums=(0,)),

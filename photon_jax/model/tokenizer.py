@@ -23,6 +23,22 @@ STARMIE_HINT = (
 )
 
 
+def _byte_alphabet() -> dict:
+    """Byte-level BPE's alphabet, character -> byte: printable Latin-1 bytes stand for
+    themselves, and the other 68 bytes (controls, space, soft hyphen...) for the code points
+    from 256 up, in byte order (the GPT-2 convention the `tokenizers` ByteLevel uses)."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    out, extra = {chr(b): b for b in keep}, 256
+    for b in range(256):
+        if b not in keep:
+            out[chr(extra)] = b
+            extra += 1
+    return out
+
+
+_BYTE_OF = _byte_alphabet()
+
+
 class TokenizerError(ValueError):
     pass
 
@@ -104,6 +120,7 @@ class Prompts:
 
     def __init__(self, tok: Tokenizer, cfg: TokenizerConfig):
         self.tok, self.cfg = tok, cfg
+        self._byte_level = None
 
     def encode(self, s: str) -> list[int]:
         # Default special-token handling, as the reference calls it.
@@ -111,6 +128,18 @@ class Prompts:
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a log-probability entry's "bytes": a token can
+        hold part of a UTF-8 character, which its decoded text cannot show).  Byte-level
+        BPE (Moondream's tokenizer) maps its vocabulary's characters back to bytes; any
+        other tokenizer gives the UTF-8 of the token's decoded text."""
+        if self._byte_level is None:
+            self._byte_level = type(self.tok.decoder).__name__ == "ByteLevel"
+        piece = self.tok.id_to_token(int(token_id))
+        if self._byte_level and piece is not None and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return self.tok.decode([int(token_id)], skip_special_tokens=False).encode()
 
     def caption(self, length: str) -> list[int]:
         if length not in ("short", "normal", "long"):

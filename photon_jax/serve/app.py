@@ -354,7 +354,8 @@ class Server:
     async def _text_events(self, call, h=None):
         """Moondream's stream events: {"chunk", "completed": false} per piece, then
         {"completed": true, "finish_reason", "usage"}; errors as an "error" event.  `h`: the
-        call's handle to follow (default its first)."""
+        call's handle to follow (default its first).  A request with settings "logprobs":
+        each event also carries "logprobs", the entries of the tokens since the last."""
         h = call.handles[0] if h is None else h
         if h.request.reasoning:
             try:
@@ -362,10 +363,15 @@ class Server:
             except Exception as e:  # noqa: BLE001
                 raise self._result_error(e) from None
             yield {"reasoning": reasoning, "completed": False}
+        scored = h.request.settings.logprobs is not None
+
+        def event(ev):   # with the entries of the tokens committed since the last event
+            return {**ev, "logprobs": h.take_logprobs()} if scored else ev
+
         stream = aio.text_stream(h)
         try:
             async for piece in stream:
-                yield {"chunk": piece, "completed": False}
+                yield event({"chunk": piece, "completed": False})
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -373,8 +379,8 @@ class Server:
         finally:
             await stream.aclose()
         m = h.metrics()
-        yield {"chunk": "", "completed": True, "finish_reason": m["finish_reason"],
-               "usage": _usage(m)}
+        yield event({"chunk": "", "completed": True, "finish_reason": m["finish_reason"],
+                     "usage": _usage(m)})
 
     # routes
     async def route(self, request: HTTPRequest, name: str, handler):
@@ -526,13 +532,16 @@ class Server:
         choices, done = [], 0
         for i, h in enumerate(call.handles):
             try:
-                message = call.shape(h)["message"]
+                out = call.shape(h)
             except Exception as e:  # noqa: BLE001 - mapped to a status
                 raise self._result_error(e) from None
             m = h.metrics()
             done += m["output_tokens"] or 0
-            choices.append({"index": i, "message": message,
-                            "finish_reason": openai_finish(m["finish_reason"])})
+            choice = {"index": i, "message": out["message"],
+                      "finish_reason": openai_finish(m["finish_reason"])}
+            if "logprobs" in out:
+                choice["logprobs"] = {"content": out["logprobs"], "refusal": None}
+            choices.append(choice)
         usage = _usage({**call.handles[0].metrics(), "output_tokens": done})
         return JSONResponse({**base, "object": "chat.completion", "choices": choices,
                              "usage": usage})
@@ -542,8 +551,11 @@ class Server:
         index, interleaved as the answers' pieces arrive; they decode in one batch)."""
         chunk = {**base, "object": "chat.completion.chunk"}
 
-        def delta(i, d, finish=None):
-            return {**chunk, "choices": [{"index": i, "delta": d, "finish_reason": finish}]}
+        def delta(i, d, finish=None, logprobs=None):
+            choice = {"index": i, "delta": d, "finish_reason": finish}
+            if logprobs is not None:
+                choice["logprobs"] = {"content": logprobs, "refusal": None}
+            return {**chunk, "choices": [choice]}
 
         async def one(i, h):
             yield delta(i, {"role": "assistant", "content": ""})
@@ -555,7 +567,9 @@ class Server:
                         d["reasoning_details"] = {"grounding": r["grounding"]}
                     yield delta(i, d)
                 elif not ev["completed"]:
-                    yield delta(i, {"content": ev["chunk"]})
+                    yield delta(i, {"content": ev["chunk"]}, logprobs=ev.get("logprobs"))
+                elif ev.get("logprobs"):   # tokens whose text came with none of the pieces
+                    yield delta(i, {"content": ""}, logprobs=ev["logprobs"])
             yield delta(i, {}, openai_finish(h.metrics()["finish_reason"]))
 
         async for ev in _merged([one(i, h) for i, h in enumerate(call.handles)]):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
+from ..api import MAX_TOP_LOGPROBS
+
 
 class ApiError(Exception):
     """A request refused with `status` and a JSON body naming the input and the fix."""
@@ -91,7 +93,6 @@ def check_settings(settings, max_context: int, param: str = "settings") -> dict 
 _CHAT_UNSUPPORTED = {
     "tools": "tools / function calling", "tool_choice": "tools / function calling",
     "functions": "function calling", "function_call": "function calling",
-    "logprobs": "logprobs", "top_logprobs": "logprobs",
     "logit_bias": "logit_bias", "audio": "audio output", "prediction": "predicted outputs",
 }
 
@@ -185,6 +186,18 @@ def parse_chat(body: dict, max_context: int) -> dict:
         if src is not None:
             settings[key] = src
     check_settings(settings, max_context, "max_completion_tokens")
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise bad(f"chat/completions: 'logprobs' must be true or false, got {_short(lp)}",
+                  "logprobs")
+    if top is not None:
+        if not lp:
+            raise bad("chat/completions: 'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad(f"chat/completions: 'top_logprobs' must be an integer from 0 to "
+                      f"{MAX_TOP_LOGPROBS}, got {_short(top)}", "top_logprobs")
+    if lp:
+        settings["logprobs"] = top or 0
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("chat/completions: 'stream' must be true or false", "stream")
