@@ -593,3 +593,28 @@ def env_info() -> dict:
     return {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
             "cpus": os.cpu_count(), "machine": platform.machine(),
             "date": time.strftime("%Y-%m-%d")}
+
+
+def image_block_prefill(cfg, page_size: int, lora_args: tuple = ()) -> tuple:
+    """`EnginePrograms.prefill_slot`'s arguments after (params, pool, slot) for one row whose
+    prompt holds an image block (a later turn's image: `Request.blocks`) between 32 and 64
+    text tokens, after the image prefix; the image's embeddings abstract."""
+    import jax
+    import numpy as np
+
+    from photon_jax.engine import step as step_mod, stepmeta as M
+    from photon_jax.model.config import KIND_IMAGE
+
+    z = cfg.prefix_len - 1
+    n = z + 64
+    prompt = step_mod.prompt_bucket(n)
+    kv_len = -(-(cfg.prefix_len + prompt) // page_size) * page_size
+    pre, write, table = M.pack_prefill([1], [cfg.prefix_len], [cfg.prefix_len], [n],
+                                       [list(range(1, kv_len // page_size + 1))], 1, prompt,
+                                       kv_len, page_size)
+    kinds = np.zeros((1, prompt), np.int32)
+    ids = np.zeros((1, prompt), np.int32)
+    kinds[0, 32:32 + z], ids[0, 32:32 + z] = KIND_IMAGE, np.arange(z)
+    images = jax.ShapeDtypeStruct((1, z, cfg.text.dim), cfg.dtype)
+    return (kinds, ids, np.zeros((1, prompt, 2), np.float32), pre, write, table,
+            *(lora_args or (None,)), images)

@@ -36,7 +36,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import WEIGHT_CHOICES, env_info  # noqa: E402
+from common import WEIGHT_CHOICES, env_info, image_block_prefill  # noqa: E402
 
 # An H200 SXM as XLA's GPU compiler needs it described (public hardware figures: 132 SMs,
 # compute capability 9.0, 228 KiB of shared memory per SM of which 227 KiB per block on
@@ -243,6 +243,11 @@ def program_rows(device, batch: int, models, weights=None, lora_slots: int = 0,
                           (params, dev.pool, dev.slots[0], ids, ids,
                            np.zeros((rows, prompt, 2), np.float32), pre, write, table, *ad),
                           device, program="prefill_slot", rows=rows, **info)
+        # A later turn's image inside the prompt: one row, an image block (Z positions)
+        # and 64 text tokens after the prefix; the program variant with `images`.
+        yield compile_row("program", P.prefill_slot,
+                          (params, dev.pool, dev.slots[0], *image_block_prefill(cfg, page, ad)),
+                          device, program="prefill_slot_images", rows=1, **info)
         # An image prefix into pool pages (a cache miss), and a hit's partial-page copy.
         t = cfg.text
         kv = jax.ShapeDtypeStruct((t.n_layers, cfg.prefix_len, t.n_kv_heads, t.head_dim),

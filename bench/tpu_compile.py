@@ -38,7 +38,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import CONFIGS, WEIGHT_CHOICES, env_info, with_weights  # noqa: E402
+from common import (CONFIGS, WEIGHT_CHOICES, env_info, image_block_prefill,  # noqa: E402
+                    with_weights)
 
 GiB = 1 << 30
 # Per chip: HBM bytes and bandwidth (public figures), and the topology name a one-chip
@@ -250,6 +251,9 @@ def program_calls(cfg, a: dict, batch: int, grouped: str | None = None, tp=None,
         yield "prefill_slot", {"rows": rows, "prompt": prompt}, P.prefill_slot, (
             params, dev.pool, dev.slots[0], ids, ids, np.zeros((rows, prompt, 2), np.float32),
             pre, write, table, *ad)
+    # A later turn's image inside the prompt (the program variant with `images`).
+    yield "prefill_slot_images", {"rows": 1}, P.prefill_slot, (
+        params, dev.pool, dev.slots[0], *image_block_prefill(cfg, PAGE, ad))
     t = cfg.text
     kv = jax.ShapeDtypeStruct((t.n_layers, cfg.prefix_len, t.n_kv_heads, t.head_dim),
                               cfg.dtype)

@@ -495,9 +495,9 @@ class Moondream:
         messages: OpenAI-shaped {"role": "system" | "user" | "assistant", "content": text or
         a list of {"type": "text", "text"} and image parts}; an image part is
         {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}} or
-        {"type": "image", "image": <anything `query` takes as an image>}.  This engine places
-        an image at the start of the conversation only: at most one image, in the first
-        user message (anything else is refused by name).
+        {"type": "image", "image": <anything `query` takes as an image>}, in any user
+        turn; an image right after BOS is the cached image prefix, any other an image block
+        inside the prompt (an `EncodedImage` only as the former).
         reasoning: Moondream's grounded reasoning before the answer; None = on, as kestrel's
         chat defaults.  settings: `query`'s, with "json_schema" / "regex" / "choices" to hold
         the answer to a shape, and "logprobs" (True, or 0-20 alternatives per token).
@@ -534,17 +534,8 @@ class Moondream:
         turns = parse_messages(messages, _chat_image)
         c = render(turns, family=m.cfg.family, query_prefix=m.cfg.tokenizer.query_prefix,
                    encode=m.prompts.encode, reasoning=reasoning)
-        if len(c.images) > 1:
-            raise ChatError(f"messages carry {len(c.images)} images; this engine takes at most "
-                            "one image per conversation (in the first user message): send "
-                            "one image, or ask about each image in its own conversation")
-        if c.images and c.image_at[0] != 0:
-            raise ChatError("the image is not in the first message of the conversation; this "
-                            "engine places an image only at the start: put it in the first "
-                            "user message (before any assistant turn)")
-        image = c.images[0] if c.images else None
-        prompt = c.ids if image is not None else [m.cfg.tokenizer.bos_id] + c.ids
-        req = Request("text", prompt, image, s, reasoning=reasoning)
+        image, prompt, blocks = _chat_prompt(m, c)
+        req = Request("text", prompt, image, s, reasoning=reasoning, blocks=blocks)
         shape = lambda r: _chat_result(r, reasoning)  # noqa: E731
         if n == 1:
             return self._submit(image, _Shared(None), stream, lambda img, _: req, shape,
@@ -701,6 +692,27 @@ def _chat_image(part: dict, where: str):
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ChatError(f"{where}: the image_url's base64 payload is malformed") from None
+
+
+def _chat_prompt(m: Model, c) -> tuple:
+    """A rendered conversation (`chat.render`) -> the request's (image, prompt, blocks): an
+    image right after BOS is the image prefix (BOS joins its block, as kestrel's mask has
+    it); every other image is a block of Z placeholder positions inside the prompt
+    (`Request.blocks`), prepared here once (n answers share it)."""
+    z = m.cfg.prefix_len - 1
+    images, at = list(c.images), list(c.image_at)
+    image = None
+    if images and at[0] == 0:
+        image, images, at = images[0], images[1:], at[1:]
+    prompt = list(c.ids) if image is not None else [m.cfg.tokenizer.bos_id] + list(c.ids)
+    shift = 0 if image is not None else 1
+    blocks = []
+    for img, a in zip(images, at):
+        off = a + shift
+        prompt[off:off] = [0] * z
+        blocks.append((off, img if isinstance(img, PreparedImage) else prepare_image(m, img)))
+        shift += z
+    return image, prompt, tuple(blocks)
 
 
 def _chat_result(r: dict, reasoning: bool) -> dict:

@@ -79,8 +79,8 @@ def biased_model(ckpt: str, biases: dict, device=None):
 def surfaces(md, md3) -> dict:
     """One call of every public surface of a Moondream 2 (`md`) and a Moondream 3 (`md3`):
     each skill, a list, streams (whole and closed early), reasoning, spatial refs, text-only,
-    seeded sampling, prefix-cache hits (an encoded image and repeated images), a cancel,
-    and segment.  Every value is plain data, comparable between runs."""
+    seeded sampling, prefix-cache hits (an encoded image and repeated images), a chat with
+    two images, a cancel, and segment.  Every value is plain data, comparable between runs."""
     g = GREEDY
     out = {"caption": md.caption(LAND, "short", settings=g),
            "list": md.caption([LAND, SQ, LAND], "short", settings=g),
@@ -93,7 +93,15 @@ def surfaces(md, md3) -> dict:
                                                      "max_tokens": 6}),
            "detect": md.detect(LAND, "w7", settings={"max_objects": 3}),
            "point": md.point(SQ, "w7", settings={"max_objects": 3}),
-           "stream": "".join(md.caption(SQ, "normal", stream=True, settings=g)["caption"])}
+           "stream": "".join(md.caption(SQ, "normal", stream=True, settings=g)["caption"]),
+           # Two images: the prefix, and a block inside the prompt (a later turn).
+           "chat_images": md.chat([
+               {"role": "user", "content": [{"type": "image", "image": LAND},
+                                            {"type": "text", "text": "w9"}]},
+               {"role": "assistant", "content": "w41 w51"},
+               {"role": "user", "content": [{"type": "image", "image": SQ},
+                                            {"type": "text", "text": "w5"}]}],
+               reasoning=False, settings=g)}
     early = md.query(LAND, "w3", stream=True, settings={"max_tokens": 64})["answer"]
     out["stream_first_piece"] = next(iter(early))
     early.close()   # closing the stream cancels its request

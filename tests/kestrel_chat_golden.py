@@ -104,6 +104,8 @@ CASES = {
   "stray_assistant_first": [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Hi there"}],
   "two_users_in_a_row": [{"role": "user", "content": "first"}, {"role": "user", "content": "second"}],
   "second_image_later": [{"role": "user", "content": [img(), {"type": "text", "text": "a"}]}, {"role": "assistant", "content": "b"}, {"role": "user", "content": [img(), {"type": "text", "text": "c"}]}],
+  "three_images_three_turns": [{"role": "system", "content": "s"}, {"role": "user", "content": [img(), img(), {"type": "text", "text": "a"}]}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}, {"role": "user", "content": [img(), {"type": "text", "text": "e"}]}],
+  "image_after_a_text_turn": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": [img(), {"type": "text", "text": "c"}]}],
   "none_content_assistant": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": None}, {"role": "user", "content": "q2"}],
 }
 ERRORS = {

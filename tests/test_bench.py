@@ -112,7 +112,8 @@ def test_gpu_compile_script_lowers_every_program_without_the_cuda_plugin():
     rows = run("gpu_compile.py", "--lower-only", "--models", "tiny", "--batch", "4")
     assert rows and all(r["ok"] and r["lower_only"] for r in rows), rows
     programs = {r["program"] for r in rows if r["what"] == "program"}
-    assert programs == {"forward", "forward_s16", "ceiling", "prefill_slot", "image_kv", "write_prefix_pages",
+    assert programs == {"forward", "forward_s16", "ceiling", "prefill_slot", "prefill_slot_images",
+                        "image_kv", "write_prefix_pages",
                         "copy_pages",
                         "sample_step(False, False)", "sample_step(False, True)",
                         "sample_step(True, False)", "sample_step(True, True)",
@@ -296,7 +297,7 @@ def test_tpu_compile_lower_only_lowers_every_serving_program_for_tpu():
     assert rows and all(r["lowered"] for r in rows), [r.get("error") for r in rows]
     progs = {r["program"] for r in rows}
     assert {"forward", "prefill_slot", "write_prefix_pages", "copy_pages", "encode_image",
-            "image_kv", "sample_step_masked"} <= progs
+            "image_kv", "sample_step_masked", "prefill_slot_images"} <= progs
     assert "sample_step(True, True)_logprobs" in progs
     # 4 variants, the widest with logprobs, the masked
     assert sum(p.startswith("sample_step") for p in progs) == 6

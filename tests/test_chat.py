@@ -119,11 +119,9 @@ def test_conversation_matches_the_reference_and_reuses_the_image(md):
 
 def test_refused_conversations_name_the_fix(md):
     img = {"type": "image", "image": LAND}
-    with pytest.raises(ChatError, match="at most one image"):
-        md.chat([{"role": "user", "content": [img, img, {"type": "text", "text": "w5"}]}])
-    with pytest.raises(ChatError, match="first user message"):
-        md.chat([{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"},
-                 {"role": "user", "content": [img, {"type": "text", "text": "w7"}]}])
+    # Three images take 730 + 2 x 729 positions, past the fixture's context of 2048.
+    with pytest.raises(RequestError, match="exceeds the context"):
+        md.chat([{"role": "user", "content": [img, img, img, {"type": "text", "text": "w5"}]}])
     with pytest.raises(ChatError, match="last message must be from the user"):
         md.chat([{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"}])
     with pytest.raises(ValueError, match="reasoning must be"):
@@ -335,3 +333,142 @@ def test_token_bytes_of_a_byte_level_tokenizer_rebuild_the_text():
     ids = BYTE_TOK.encode(text).ids
     assert b"".join(p.token_bytes(i) for i in ids) == text.encode()
     assert any(BYTE_TOK.decode([i]) == "\ufffd" for i in ids)   # a split character
+
+
+# -- several images: image blocks anywhere in a conversation --------------------------------
+
+def test_the_block_mask_is_kestrels(md):
+    """`attention_mask` with image blocks equals kestrel's rule, written from its block ids:
+    a key is visible from a query at or after it, or in the same image block; BOS joins the
+    first block when the image follows it (the image prefix)."""
+    import numpy as np
+    from photon_jax.model.layers import attention_mask
+
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        n, z = int(rng.integers(6, 40)), int(rng.integers(1, 6))
+        ids, t = [-1], 1                     # BOS, then text and blocks of z positions
+        front = bool(rng.integers(2))
+        nb = 0
+        while t + z < n:
+            if (t == 1 and front) or rng.random() < 0.2:
+                ids += [nb] * z
+                nb, t = nb + 1, t + z
+            else:
+                ids.append(-1)
+                t += 1
+        ids += [-1] * (n - len(ids))
+        if ids[1] >= 0:
+            ids[0] = ids[1]                  # kestrel: BOS joins the first block
+        ids = np.asarray(ids)
+        want = (np.arange(n)[None] <= np.arange(n)[:, None]) | (
+            (ids[:, None] == ids[None]) & (ids[:, None] >= 0))
+        # Ours: the front block is the image prefix (1 + z positions), the others `vis`.
+        prefix = 1 + z if ids[0] >= 0 else 0
+        pos = np.arange(n)
+        vis = pos.copy()
+        for b in np.unique(ids[ids >= 0]):
+            where = np.flatnonzero(ids == b)
+            if where[0] >= prefix:
+                vis[where] = where[-1]
+        got = attention_mask(pos[None], np.asarray([prefix]), n, vis[None])[0]
+        assert (np.asarray(got) == want).all(), ids
+
+
+def _convo(*turns):
+    """[(image or None, ...), text] per user turn, with an assistant reply between."""
+    msgs = []
+    for i, (images, text) in enumerate(turns):
+        if i:
+            msgs.append({"role": "assistant", "content": f"w{40 + i} w{50 + i}"})
+        msgs.append({"role": "user", "content": [{"type": "image", "image": x} for x in images]
+                     + [{"type": "text", "text": text}]})
+    return msgs
+
+
+def _reference_chat(md, convo, settings):
+    """The one-request path on the same rendering: the image prefix, then the prompt with
+    its image blocks."""
+    from photon_jax.api import _chat_image, _chat_prompt
+    from photon_jax.engine.settings import parse
+
+    m = md._m
+    c = render(parse_messages(convo, _chat_image), family=m.cfg.family,
+               query_prefix=m.cfg.tokenizer.query_prefix, encode=m.prompts.encode,
+               reasoning=False)
+    image, prompt, blocks = _chat_prompt(m, c)
+    enc = None if image is None else reference.encode_image(m, image)
+    return reference.generate_text(m, enc, prompt, parse(settings), blocks=blocks), c
+
+
+def test_several_images_equal_the_one_request_path(md):
+    """Images in later turns, an image after a text-only turn, and two images side by side
+    (two blocks, not one) answer as the one-request path does, greedy and sampled."""
+    from photon_jax.model.chat import parse_messages as pm
+
+    cases = [_convo(([LAND], "w9"), ([SQ], "w5")),            # front + a later turn
+             _convo(((), "w3 w4"), ([SQ], "w5")),              # the first image in turn 2
+             _convo(([SQ, LAND], "w7"))]                       # two blocks side by side
+    for convo in cases:
+        for s in (G, {"temperature": 1.0, "seed": 4, "max_tokens": 6}):
+            got = md.chat(convo, reasoning=False, settings=s)
+            want, c = _reference_chat(md, convo, s)
+            assert got["message"]["content"] == want["text"], (convo, s)
+            assert len(c.images) == sum(len(t.images) for t in pm(convo, _marker))
+    # Another place for the block, the same prompt bucket and image count: no new compile
+    # (the layout is data, not shape).
+    from photon_jax.engine import step
+
+    prefill = step.programs_of(md._m).prefill_slot
+    compiled = prefill._cache_size()
+    for text in ("w9 w8 w7", "w9 w8 w7 w6 w5"):
+        convo = _convo(([LAND], text), ([SQ], "w5"))
+        assert md.chat(convo, reasoning=False, settings=G)["message"]["content"] == \
+            _reference_chat(md, convo, G)[0]["text"]
+    assert prefill._cache_size() == compiled
+    # n answers of one conversation prefill together and share the images' embeddings.
+    s = {"temperature": 1.0, "seed": 4, "max_tokens": 6}
+    both = md._chat(cases[0], False, False, s, False, 2).wait()
+    assert [r["message"]["content"] for r in both] == [
+        _reference_chat(md, cases[0], {**s, "seed": 4 + i})[0]["text"] for i in range(2)]
+    # The blocks matter: swapping the two side-by-side images changes the answer, and so
+    # does another image in turn 2.
+    a = md.chat(_convo(([SQ, LAND], "w7")), reasoning=False, settings=G)
+    b = md.chat(_convo(([LAND, SQ], "w7")), reasoning=False, settings=G)
+    c = md.chat(_convo(([LAND], "w9"), ([LAND], "w5")), reasoning=False, settings=G)
+    d = md.chat(_convo(([LAND], "w9"), ([SQ], "w5")), reasoning=False, settings=G)
+    assert a != b and c != d
+
+
+def test_follow_ups_with_images_read_the_cache_and_never_another_images_pages(md):
+    """A follow-up that sends the history back prefills only its new tokens, its images'
+    blocks included; a conversation that differs only in its second image reads no page
+    that holds that image."""
+    m, z = md._m, md._m.cfg.prefix_len - 1
+    s = {"temperature": 0, "max_tokens": 4}
+    first = _convo(([LAND], "w9"), ([SQ], "w5"))
+    r1 = md.chat(first, reasoning=False, settings=s, return_metrics=True)
+    follow = first + [{"role": "assistant", "content": r1["message"]["content"]},
+                      {"role": "user", "content": "w6"}]
+    r2 = md.chat(follow, reasoning=False, settings=s, return_metrics=True)
+    assert r2["message"]["content"] == _reference_chat(md, follow, s)[0]["text"]
+    # Everything up to the last full page of turn 2's prompt came from the caches.
+    page = md.engine.page_size
+    assert r2["metrics"]["cached_tokens"] >= (r1["metrics"]["input_tokens"] // page) * page
+    other = _convo(([LAND], "w9"), ([md_other_image()], "w5"))
+    r3 = md.chat(other, reasoning=False, settings=s, return_metrics=True)
+    want, c = _reference_chat(md, other, s)
+    assert r3["message"]["content"] == want["text"]
+    # The second image's block starts after the prefix and turn 1's tokens: the cache gave
+    # nothing from the page that holds its start on (the first conversation's pages there
+    # hold SQ's block), and without that image in the keys it would have.
+    start = m.cfg.prefix_len + c.image_at[1]
+    assert r3["metrics"]["cached_tokens"] <= max(m.cfg.prefix_len, start // page * page)
+    r4 = md.chat(first, reasoning=False, settings=s, return_metrics=True)
+    assert r4["metrics"]["cached_tokens"] >= start + z - page   # its own pages: read
+
+
+def md_other_image():
+    import numpy as np
+
+    return (np.arange(300 * 200 * 3) % 251).astype(np.uint8).reshape(200, 300, 3)

@@ -47,6 +47,7 @@ import numpy as np
 import PIL.Image
 
 from ..model import lora
+from ..model.config import KIND_IMAGE
 from ..model.loaded import Model
 from ..model.pixels import pil_pixels
 from ..model.tokenizer import region_inputs
@@ -336,6 +337,8 @@ class Engine:
             if req.image is None:
                 raise RequestError("spatial refs need an image")
             seq.kinds, seq.values = region_inputs(req.prompt, req.region, cfg.tokenizer)
+        if req.blocks:
+            self._admit_blocks(seq, base)
         img = req.image
         if isinstance(img, EncodedImage):
             if img._engine is not self:
@@ -354,6 +357,33 @@ class Engine:
             c = self.sched.cache
             self._prepare(seq, c.keys if c.enabled else frozenset())
         return seq
+
+    def _admit_blocks(self, seq: Seq, base: int) -> None:
+        """Check a request's image blocks (`Request.blocks`) and prepare their images here,
+        on the caller's thread (decoded, cropped and uploaded; encoded at the prefill)."""
+        req, z = seq.req, self.cfg.prefix_len - 1
+        if req.skill != "text" or req.region:
+            raise RequestError("image blocks inside a prompt are for text answers without "
+                               "spatial refs (chat, query)")
+        end = 1 if req.image is None else 0   # a text-only prompt starts with BOS
+        for i, block in enumerate(req.blocks):
+            off, img = block
+            if isinstance(off, bool) or not isinstance(off, int) or off < end or \
+                    off + z >= len(req.prompt):
+                raise RequestError(
+                    f"blocks[{i}] at prompt offset {off!r}: an image block takes {z} "
+                    f"placeholder positions from its offset, after the one before it "
+                    f"(offset {end} or more) and before the prompt's last token")
+            if isinstance(img, (EncodedImage, ImagePrefix)):
+                raise RequestError(f"blocks[{i}]: an image inside a prompt is encoded in its "
+                                   "context; pass the image itself, not an encoded prefix")
+            prep = img if isinstance(img, PreparedImage) else \
+                frontend.prepare_image(self.model, img)
+            if not prep.has_crops:
+                raise RequestError(f"blocks[{i}]: this PreparedImage has no crops")
+            seq.blocks.append((base + off, z, prep.key))
+            seq.block_images.append(prep)
+            end = off + z
 
     def _prepare(self, seq: Seq, skip_crops_for=frozenset()) -> None:
         """Decode, hash and crop the request's image on a worker thread (`seq.prep`)."""
@@ -625,10 +655,22 @@ class Engine:
         kinds = np.zeros((rb, tb), _I32)
         values = np.zeros((rb, tb, 2), np.float32)
         self.sched.start_prefill(batch)   # rows taken, clocks started
+        blocks = {}   # image key -> (index, PreparedImage): the images this prefill encodes
         for i, s in enumerate(batch):
             ids[i, :lens[i]] = s.req.prompt[s.start - s.prefix:]
             if s.kinds is not None:   # (spatial refs: never after cached pages)
                 kinds[i, :lens[i]], values[i, :lens[i]] = s.kinds, s.values
+            for (a, z, key), prep in zip(s.blocks, s.block_images):
+                if a + z <= s.start:   # read from the conversation cache's pages
+                    continue
+                # Patch a + j of the block feeds the image's embedding j (image z + j); positions
+                # before `start` (cached pages) are not computed again.  An image's
+                # embeddings depend on it alone: rows showing the same image share them.
+                image = blocks.setdefault(key, (len(blocks), prep))[0]
+                j = np.arange(max(a, s.start) - a, z)
+                kinds[i, a + j - s.start] = KIND_IMAGE
+                ids[i, a + j - s.start] = image * z + j
+            s.block_images = []   # their crops are no longer needed once launched
         starts = [s.start for s in batch]
         kv_len = step_mod.kv_bucket(max(starts) + tb, self.max_context)
         kv_len = -(-kv_len // self.page_size) * self.page_size
@@ -657,11 +699,17 @@ class Engine:
                         self._copy_unshared(s, src.entry)
                 s.image = s.source = None   # the prefix now lives in its pages
             meta_d = put(pre)
+            extra = {}
+            if blocks:   # one compiled program per count bucket (1, 2, 4, ...), not layout
+                embs = [P.image_embeddings(params, b.crops, b.src, b.ph, b.pw)
+                        for _, b in blocks.values()]
+                nb = step_mod.row_bucket(len(embs), 1 << 20)
+                extra["images"] = P.stack_images(tuple(embs + embs[:1] * (nb - len(embs))))
             dev = self.dev
             dev.pool, dev.slots[slot] = P.prefill_slot(params, dev.pool, dev.slots[slot],
                                                        put(kinds), put(ids), put(values),
                                                        meta_d, put(write), put(table),
-                                                       *self._lora_arg())
+                                                       *self._lora_arg(), **extra)
         st = _InFlightStep("prefill", slot, batch, [0] * n, meta_d)
         st.t0, st.t_launch = t0, time.perf_counter() - t0
         self.pipe.on_launch(st)

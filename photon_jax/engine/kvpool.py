@@ -536,6 +536,7 @@ class PrefillAccess:
     prefix_R: jax.Array
 
     tp: object = flax.struct.field(pytree_node=False, default=None)
+    vis_RT: jax.Array | None = None   # image blocks in the prompt (`attention_mask`)
 
     def update(self, pool: KVPool, li: int, q, k, v, pos_RT):
         return _on_layer(self, pool, li, q, k, v, pos_RT)
@@ -548,7 +549,7 @@ class PrefillAccess:
         ks, ksc = write_tokens_q(ks, ksc, self.page_RT, self.off_RT, k, bound)
         vs, vsc = write_tokens_q(vs, vsc, self.page_RT, self.off_RT, v, bound)
         kv_len = self.pt_RM.shape[1] * ks[0].shape[2]
-        mask = attention_mask(pos_RT, self.prefix_R, kv_len)
+        mask = attention_mask(pos_RT, self.prefix_R, kv_len, self.vis_RT)
         return (ks, vs, ksc, vsc), prefill_attend(ks, vs, q, self.pt_RM, mask, ksc, vsc,
                                                   n_kv=k.shape[-2])
 

@@ -201,14 +201,21 @@ class PrefixCache:
             self._drop(e)
 
 
-def chain_keys(root: bytes, tokens, page_size: int, n_pages: int) -> list[bytes]:
+def chain_keys(root: bytes, tokens, page_size: int, n_pages: int,
+               blocks: tuple = ()) -> list[bytes]:
     """The hash-chain key of each of the first `n_pages` full pages of a sequence: `root`
     names what precedes the tokens' positions' meaning (the image key, or none) and `tokens`
-    holds one int per position (image positions: their index)."""
+    holds one int per position (image positions: their index).  `blocks`: (start, end, key)
+    of image blocks inside the sequence, whose positions hold placeholders: a page with any
+    of a block's positions also hashes that image's key (and its span), so pages of two
+    conversations that differ only in an image never share a key."""
     keys, parent = [], root
     arr = np.asarray(tokens, np.int64)
     for p in range(n_pages):
-        parent = hashlib.blake2b(parent + arr[p * page_size:(p + 1) * page_size].tobytes(),
+        lo, hi = p * page_size, (p + 1) * page_size
+        extra = b"".join(key + np.asarray([a, b], np.int64).tobytes()
+                         for a, b, key in blocks if a < hi and b > lo)
+        parent = hashlib.blake2b(parent + arr[lo:hi].tobytes() + extra,
                                  digest_size=16).digest()
         keys.append(parent)
     return keys

@@ -25,7 +25,7 @@ from ..model.loaded import Model
 from ..model.text import init_cache
 from ..model.tokenizer import region_inputs
 from . import constraints, step
-from .frontend import ImagePrefix, encode_prepared, prepare_image
+from .frontend import ImagePrefix, PreparedImage, encode_prepared, prepare_image
 from .settings import Settings
 from .skills import box, parse_segment, reasoning_result
 from .step import kv_bucket, prompt_bucket
@@ -66,6 +66,14 @@ def encode_image(model: Model, img, trace: dict | None = None, adapter=None) -> 
     return enc
 
 
+def embed_image(model: Model, img):
+    """An image's patch embeddings ([Z, D]: vision encoder and projection), as an image
+    block inside a prompt feeds them."""
+    prep = img if isinstance(img, PreparedImage) else prepare_image(model, img)
+    return step.oracle_of(model).encode_image(model.params, prep.crops, prep.src, prep.ph,
+                                              prep.pw)[1]
+
+
 class _Session:
     """One sequence in a one-row cache.  With `routes` (a trace of a model with MoE layers),
     the MoE routing of the prompt's last position and of every decode step is collected in
@@ -89,8 +97,11 @@ class _Session:
     def max_context(self):
         return self.cfg.text.max_context
 
-    def prefill(self, ids: list[int], region=None):
-        """`region`: values (v0, v1) of the prompt's coord / size tokens (spatial refs)."""
+    def prefill(self, ids: list[int], region=None, blocks=()):
+        """`region`: values (v0, v1) of the prompt's coord / size tokens (spatial refs).
+        `blocks`: (offset, image) of image blocks inside the prompt (`Request.blocks`):
+        ids[offset:offset + Z] are placeholders fed the image's embeddings instead, and
+        attend the whole block and what precedes it."""
         t = len(ids)
         if self.pos + t > self.max_context:
             raise ContextOverflow(
@@ -106,10 +117,19 @@ class _Session:
         if region:
             kinds[0, :t], values[0, :t] = region_inputs(ids, region, self.cfg.tokenizer)
         emb = self.P.embed_prompt(self.m.params, kinds, padded, values)
+        extra = {}
+        if blocks:
+            vis = pos.copy()
+            for off, img in blocks:
+                z = embed_image(self.m, img)
+                vis[0, off:off + len(z)] = pos[0, off + len(z) - 1]
+                emb = emb.at[0, off:off + len(z)].set(z.astype(emb.dtype))
+            extra["vis_RT"] = vis
         prog = self.P.prefill if self.routes is None else self.P.prefill_routes
         self.cache, hid, last, lg, *routes = prog(
             self.m.params, self.cache, emb, pos, self.rows, self.prefix_R,
-            np.full(1, t - 1, _I32), kv_bucket(self.pos + tb, self.max_context), *self.lora)
+            np.full(1, t - 1, _I32), kv_bucket(self.pos + tb, self.max_context), *self.lora,
+            **extra)
         self._keep(routes)
         self.pos += t
         return hid[0, :t], last, lg
@@ -193,16 +213,18 @@ def _reason(model: Model, sess: _Session, h, lg, s: Settings, sample: _Sampler):
 
 
 def iter_text(model: Model, enc: ImagePrefix | None, prompt: list[int], s: Settings,
-              trace: dict | None = None, region=None, reasoning: bool = False, adapter=None):
+              trace: dict | None = None, region=None, reasoning: bool = False, adapter=None,
+              blocks=()):
     """Caption / query answer as a generator of flushed text pieces (the reference's streaming
     rules).  Its return value (StopIteration.value) is {"text", "ids", "finish_reason"} and,
     with `reasoning`, "reasoning": {"text", "grounding"} (computed before the first piece).
     `adapter`: a LoRA adapter applied to the prompt and the answer (`enc` made under it
-    too: `encode_image(..., adapter=)`)."""
+    too: `encode_image(..., adapter=)`).  `blocks`: image blocks inside the prompt
+    (`_Session.prefill`)."""
     cfg = model.cfg
     tok_cfg = cfg.tokenizer
     sess = _Session(model, enc, routes=trace is not None, adapter=adapter)
-    hid, last, lg = sess.prefill(prompt, region)
+    hid, last, lg = sess.prefill(prompt, region, blocks)
     sample = _Sampler(model, s)
     if trace is not None:
         trace["prefill_logits"] = lg[0]
@@ -248,9 +270,9 @@ def iter_text(model: Model, enc: ImagePrefix | None, prompt: list[int], s: Setti
 
 def generate_text(model: Model, enc: ImagePrefix | None, prompt: list[int], s: Settings,
                   trace: dict | None = None, region=None, reasoning: bool = False,
-                  adapter=None) -> dict:
+                  adapter=None, blocks=()) -> dict:
     """iter_text run to completion: {"text", "ids", "finish_reason"[, "reasoning"]}."""
-    gen = iter_text(model, enc, prompt, s, trace, region, reasoning, adapter)
+    gen = iter_text(model, enc, prompt, s, trace, region, reasoning, adapter, blocks)
     while True:
         try:
             next(gen)

@@ -46,12 +46,18 @@ class Request:
     (Moondream 3).  `prompt` is the token ids after the image prefix (text-only prompts start
     with BOS themselves).
     `image`: a path, bytes, PIL image, array, `EncodedImage` (this engine's),
-    `PreparedImage`, `ImagePrefix` (dense K/V, e.g. the one-request path's) or None."""
+    `PreparedImage`, `ImagePrefix` (dense K/V, e.g. the one-request path's) or None: the
+    image at the start (BOS + image, bidirectional); `blocks` places more inside the prompt."""
     skill: str
     prompt: list
     image: Any = None
     settings: Settings = field(default_factory=Settings)
     region: list | None = None  # (v0, v1) per coord / size token of the prompt (spatial refs)
+    # Image blocks inside the prompt (a conversation's images after its start, text skill):
+    # (offset, image) pairs, the image's Z = prefix_len - 1 positions being prompt[offset:
+    # offset + Z] (placeholders; their inputs are the image's embeddings, attended
+    # bidirectionally across the block).  Sorted, apart, and ending before the prompt does.
+    blocks: tuple = ()
     reasoning: bool = False     # text: MD2 grounded reasoning before the answer
     ignore_eos: bool = False    # benchmarks: decode a fixed number of tokens
 

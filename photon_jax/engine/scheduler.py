@@ -111,6 +111,10 @@ class Seq:
         self.text_keys: list = []  # conversation-cache pages read after them (pinned)
         self.start = prefix       # first position the prefill computes (past cached pages)
         self.prompt_chain = None  # the prompt's full pages' hash-chain keys (computed once)
+        # Image blocks inside the prompt: (first position, length, image key), and their
+        # `PreparedImage`s until the prefill is launched (their crops live on the device).
+        self.blocks: list = []
+        self.block_images: list = []
         self.generated: list[int] = []   # committed tokens, in order
         self.reserved = 0         # pages still promised to it (assigned lazily)
         self.row = 0
@@ -265,7 +269,8 @@ class Scheduler:
     def _chain(self, s: Seq, tokens: list, n_pages: int) -> list:
         """Hash-chain keys of the first n_pages full pages of `s`'s sequence."""
         root = b"image:" + s.key if s.key is not None else adapter_key(b"text", s.adapter)
-        return chain_keys(root, list(range(s.prefix)) + tokens, self.page_size, n_pages)
+        return chain_keys(root, list(range(s.prefix)) + tokens, self.page_size, n_pages,
+                          tuple((a, a + n, key) for a, n, key in s.blocks))
 
     def _text_usable(self, s: Seq, src) -> bool:
         return (self.text.enabled and s.skill is not None and s.kinds is None

@@ -42,7 +42,7 @@ import flax.struct
 from ..base.dtypes import F32, jnp_dtype
 from ..kernels import cpukernel, gpu_attention
 from ..model import lora, quant, sampling, text, vision
-from ..model.config import KIND_COORD, KIND_SIZE, KIND_TOKEN, MoondreamConfig
+from ..model.config import KIND_COORD, KIND_IMAGE, KIND_SIZE, KIND_TOKEN, MoondreamConfig
 from ..model.layers import linear
 from ..model.platforms import (DENSE_MIN_ROWS, GPU_ATTENTION, TPU_ATTENTION, Platform,
                                check_attention, choose, default_dense)
@@ -244,16 +244,32 @@ def _into_slot(slot: Slot, h_RD, logits_RV) -> Slot:
 
 
 def _prefill_slot(params, pool: KVPool, slot: Slot, kinds_RT, ids_RT, values_RT2, pre_FR,
-                  write_2RT, table_RM, adapters=None, *, cfg, grouped="blocks", tp=None,
-                  lora_mode="gather"):
+                  write_2RT, table_RM, adapters=None, images=None, *, cfg, grouped="blocks",
+                  tp=None, lora_mode="gather"):
     """Prompt prefill for R rows starting at per-row positions (after an image prefix, or 0
     for text-only prompts), K/V written into the rows' pages; the last real position's
     logits and hidden go into the slot.  Prompt positions of kind coord / size (spatial
-    refs) embed their values."""
+    refs) embed their values.
+
+    `images` ([N, Z, D], a conversation's images after its start; None: none, and the
+    program is the one without them): a position of kind KIND_IMAGE with id n Z + z feeds
+    patch z of image n and attends its whole block (its Z positions: patch z at block start
+    + z) and everything before it (`layers.attention_mask`)."""
     t = ids_RT.shape[1]
     pos = pre_FR[F_START][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    emb = text.input_embeddings(params, kinds_RT, ids_RT, values_RT2, cfg=cfg)
-    access = PrefillAccess(write_2RT[0], write_2RT[1], table_RM, pre_FR[F_PREFIX], tp=tp)
+    vis = None
+    if images is None:
+        emb = text.input_embeddings(params, kinds_RT, ids_RT, values_RT2, cfg=cfg)
+    else:
+        z = images.shape[1]
+        block = kinds_RT == KIND_IMAGE
+        emb = text.input_embeddings(params, kinds_RT, jnp.where(block, 0, ids_RT),
+                                    values_RT2, cfg=cfg)
+        patch = images.reshape(-1, images.shape[-1])[jnp.where(block, ids_RT, 0)]
+        emb = jnp.where(block[..., None], patch.astype(emb.dtype), emb)
+        vis = jnp.where(block, pos + (z - 1 - ids_RT % z), pos)
+    access = PrefillAccess(write_2RT[0], write_2RT[1], table_RM, pre_FR[F_PREFIX], tp=tp,
+                           vis_RT=vis)
     hidden, pool, _ = text.forward(params["text"], cfg.text, emb, pos, pool, access, grouped,
                                    tp=tp, lora=_adapted(adapters, pre_FR[F_ADAPTER], lora_mode))
     last = jnp.take_along_axis(hidden, pre_FR[F_LAST][:, None, None], axis=1)[:, 0]
@@ -421,6 +437,11 @@ class EnginePrograms:
     # write_adapter(tables, slot, adapter): one adapter into a slot of the LoRA tables
     # (donated): a device write between steps, never a new trace of the step programs.
     write_adapter: Callable = None
+    # image_embeddings(params, crops, src, ph, pw) -> [Z, D]: an image's patch embeddings
+    # (vision encoder and projection), for an image block inside a prompt; and
+    # stack_images(tuple of them) -> [N, Z, D], the prefill's `images` argument.
+    image_embeddings: Callable = None
+    stack_images: Callable = None
     attention: str = "xla"   # the decode attention forward and ceiling were built with
     tp: object = None        # the mesh layout the engine's programs were built for
 
@@ -562,6 +583,9 @@ def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp,
         ceiling=jax.jit(partial(_ceiling, attention=attention, dense=dense, **e),
                         static_argnums=(8,), donate_argnums=(1, 2, 3)),
         write_adapter=jax.jit(lora.write_slot, donate_argnums=(0,)),
+        image_embeddings=jax.jit(lambda params, *img: vision.encode_image(
+            params, *img, cfg=cfg, vision_loop=vision_loop)[1]),
+        stack_images=jax.jit(jnp.stack),
         attention=attention,
         tp=tp,
     )

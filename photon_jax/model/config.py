@@ -127,6 +127,9 @@ def _tup(x):
 # coordinate value or a (w, h) size.  Prompts with spatial refs (`tokenizer.region_inputs`)
 # and detect / point decoding feed region values back this way.
 KIND_TOKEN, KIND_COORD, KIND_SIZE = range(3)
+# A prompt position inside an image block (a conversation's image after its start): its
+# input is that image's embedding, and attention is bidirectional across the block.
+KIND_IMAGE = 3
 
 
 @dataclass(frozen=True)

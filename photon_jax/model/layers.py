@@ -70,10 +70,16 @@ def attention(q_RTQH, k_RSKH, v_RSKH, mask_RTS=None):
     return o.transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 
-def attention_mask(pos_RT, prefix_R, kv_len: int):
+def attention_mask(pos_RT, prefix_R, kv_len: int, vis_RT=None):
     """[R, T, S]: key j is visible from query position p if j <= p, or if both lie inside the
-    row's bidirectional prefix (BOS + image; 0 for text-only rows)."""
+    row's bidirectional prefix (BOS + image; 0 for text-only rows).  `vis_RT` (image blocks
+    inside the prompt): also every key j <= vis_RT[r, t], which is the last position of the
+    query's image block for a position inside one (the whole block, bidirectionally, and
+    everything before it) and the position itself elsewhere."""
     j = jnp.arange(kv_len)[None, None, :]
     p = pos_RT[:, :, None]
     pre = prefix_R[:, None, None]
-    return (j <= p) | ((j < pre) & (p < pre))
+    mask = (j <= p) | ((j < pre) & (p < pre))
+    if vis_RT is not None:
+        mask = mask | (j <= vis_RT[:, :, None])
+    return mask

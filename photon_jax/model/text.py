@@ -62,12 +62,13 @@ class DenseAccess:
     rows_R: jax.Array
     prefix_R: jax.Array
     kv_len: int = flax.struct.field(pytree_node=False)
+    vis_RT: jax.Array | None = None   # image blocks in the prompt (`attention_mask`)
 
     def update(self, cache: KVCache, li: int, q, k, v, pos_RT):
         idx = (li, self.rows_R[:, None], pos_RT)
         kc = cache.k.at[idx].set(k.astype(cache.k.dtype), mode="drop")
         vc = cache.v.at[idx].set(v.astype(cache.v.dtype), mode="drop")
-        mask = attention_mask(pos_RT, self.prefix_R, self.kv_len)
+        mask = attention_mask(pos_RT, self.prefix_R, self.kv_len, self.vis_RT)
         a = attention(q, kc[li, self.rows_R, :self.kv_len].astype(q.dtype),
                       vc[li, self.rows_R, :self.kv_len].astype(q.dtype), mask)
         return KVCache(kc, vc), a
@@ -300,13 +301,14 @@ def _rows(adapters, slot_R):
 
 def prefill(params, cache, embeds_RTD, pos_RT, rows_R, prefix_R, last_R, kv_len,
             adapters=None, slot_R=None, *, cfg: MoondreamConfig, with_routes=False,
-            grouped="blocks"):
+            grouped="blocks", vis_RT=None):
     """Dense-cache prefill (the one-request path) -> (cache, hidden, last hidden, logits).
     `with_routes` (parity traces): also the MoE routing at each row's last position,
     (ids, weights) each [Lm, R, k].  `adapters`, `slot_R`: LoRA slot tables and each
-    row's slot (`lora`; None: none)."""
+    row's slot (`lora`; None: none).  `vis_RT`: image blocks inside the prompt
+    (`layers.attention_mask`; None: none)."""
     hidden, cache, routes = forward(params["text"], cfg.text, embeds_RTD, pos_RT, cache,
-                                    DenseAccess(rows_R, prefix_R, kv_len), grouped,
+                                    DenseAccess(rows_R, prefix_R, kv_len, vis_RT), grouped,
                                     lora=_rows(adapters, slot_R))
     last = jnp.take_along_axis(hidden, last_R[:, None, None], axis=1)[:, 0]
     out = (cache, hidden, last, logits(params["text"], last))

@@ -8,8 +8,8 @@ Routes:
   POST /v1/caption, /v1/query, /v1/detect, /v1/point, /v1/segment (Moondream 3 only);
   streams are server-sent events `data: {"chunk": ..., "completed": false}` ending with
   `"completed": true` (segment: the client's bbox / path_delta / final events).
-- OpenAI's POST /v1/chat/completions for what maps to `query` (one user turn: text and at
-  most one image) and GET /v1/models.
+- OpenAI's POST /v1/chat/completions (conversations: turns, up to 4 images, shapes,
+  logprobs) and GET /v1/models.
 - GET /health (200 once the model is loaded and warm, 503 before) and GET /metrics
   (Prometheus text, a registry per app).
 

@@ -98,6 +98,7 @@ _CHAT_UNSUPPORTED = {
 
 
 MAX_N = 8   # answers per chat request (each is a row of the batch)
+MAX_CHAT_IMAGES = 4   # images per conversation (decoded before anything runs)
 
 
 def _response_format(rf) -> dict:
@@ -126,7 +127,7 @@ def parse_chat(body: dict, max_context: int) -> dict:
     index, URL)], "text_chars", "settings", "stream", "include_usage", "reasoning" (None:
     the model's default)}.  The conversation's own rules (roles, order, where images may
     be) are the API's (`Moondream.chat`); this checks the body's shape, the fields OpenAI
-    has and Moondream has not, and the one-image limit before any image is decoded."""
+    has and Moondream has not, and the image count before any image is decoded."""
     for k, what in _CHAT_UNSUPPORTED.items():
         if body.get(k) not in (None, False, [], {}):
             raise bad(f"chat/completions: {what} ({k!r}) is not supported by this server", k)
@@ -170,14 +171,10 @@ def parse_chat(body: dict, max_context: int) -> dict:
                                "part needs {\"image_url\": {\"url\": \"data:image/...;base64,...\"}}",
                                "messages")
                 images.append((n, k, url))
-    if len(images) > 1:
+    if len(images) > MAX_CHAT_IMAGES:
         raise bad(f"chat/completions: {len(images)} images given; this server takes at most "
-                   "one image per conversation, in the first user message", "messages")
-    first = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), None)
-    if images and images[0][0] != first:
-        raise bad(f"chat/completions: the image is in messages[{images[0][0]}]; this server "
-                   "places an image only at the start: put it in the first user message",
-                   "messages")
+                  f"{MAX_CHAT_IMAGES} per conversation (each is decoded, and takes "
+                  "729 positions of the context): send fewer", "messages")
     settings = _response_format(body.get("response_format"))
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     for src, key in ((mt, "max_tokens"), (body.get("temperature"), "temperature"),
