@@ -251,7 +251,8 @@ def test_logprobs_are_the_models_own_and_ride_with_the_answer(md):
     import numpy as np
 
     m = md._m
-    for s in ({"temperature": 0, "max_tokens": 8}, {"temperature": 1.0, "seed": 5, "max_tokens": 8}):
+    for s in ({"temperature": 0, "max_tokens": 8},
+              {"temperature": 1.0, "seed": 5, "max_tokens": 8}):
         plain = md.query(LAND, "w9", settings=s)
         r = md.query(LAND, "w9", settings={**s, "logprobs": 3})
         assert r["answer"] == plain["answer"] and "logprobs" not in plain
@@ -472,3 +473,27 @@ def md_other_image():
     import numpy as np
 
     return (np.arange(300 * 200 * 3) % 251).astype(np.uint8).reshape(200, 300, 3)
+
+
+def test_three_images_past_moondream_2s_context(md):
+    """Three images (a prefix and two blocks, 2,188 positions) need more than Moondream 2's
+    2,048 positions of context; with a longer one (the random weights do not mind where the
+    rotary positions end) they answer as the one-request path does."""
+    from dataclasses import replace
+
+    from photon_jax.engine.core import Engine
+    from photon_jax.model import Model
+
+    m = md._m
+    cfg = replace(m.cfg, text=replace(m.cfg.text, max_context=3072))
+    model = Model(cfg, m.params, m.prompts.tok, device=m.device)
+    long = Moondream(model, Engine(model, max_batch_size=2, kv_cache_tokens=3 * 3072))
+    try:
+        convo = _convo(([LAND, SQ], "w7"), ((), "w8"), ([md_other_image()], "w9"))
+        for s in (G, {"temperature": 1.0, "seed": 2, "max_tokens": 6}):
+            got = long.chat(convo, reasoning=False, settings=s, return_metrics=True)
+            want, c = _reference_chat(long, convo, s)
+            assert got["message"]["content"] == want["text"] and len(c.images) == 3
+            assert got["metrics"]["input_tokens"] == 1 + len(c.ids) + 3 * (cfg.prefix_len - 1)
+    finally:
+        long.engine.close()
