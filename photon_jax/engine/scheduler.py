@@ -69,7 +69,7 @@ class Outbox:
     def token(self, h: Handle, now: float) -> None:
         self._queue.append((h.deliver_token, (now,)))
 
-    def logprob(self, h: Handle, entry: tuple) -> None:
+    def logprob(self, h: Handle, entry: dict) -> None:
         self._queue.append((h.deliver_logprob, (entry,)))
 
     def text(self, h: Handle, piece: str) -> None:
