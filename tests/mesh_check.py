@@ -184,6 +184,34 @@ def run_case(case: str) -> dict:
                 finally:
                     md.engine.close()   # (Moondream.close would free the shared weights)
             out[name] = res
+        # LoRA adapters on the mesh (their slot tables replicated): rows of two adapters
+        # and a base row in one batch, and a caption under each.
+        from photon_jax.convert.adapters import read_adapter
+        from photon_jax.engine.request import Request
+        from photon_jax.engine.settings import parse
+
+        tmp, t = os.path.dirname(MD2), md2.cfg.text
+        shapes = dict(dim=t.dim, ff=t.ff_dim, qkv=(t.n_heads + 2 * t.n_kv_heads) * t.head_dim,
+                      layers=t.n_layers, b_scale=1.0)
+        adapters = {n: read_adapter(helpers.write_lora(os.path.join(tmp, f"{n}.safetensors"),
+                                                       4, seed, **shapes),
+                                    md2.cfg, name=n, max_rank=8)
+                    for n, seed in (("a", 21), ("b", 22))}
+        res = []
+        for m in (md2, Model(md2.cfg, md2.params, md2.prompts.tok, mesh=MESH)):
+            md = Moondream(m, Engine(m, max_batch_size=4, max_adapters=2, max_lora_rank=8,
+                                     adapters=dict(adapters)))
+            try:
+                mixed = md.engine.submit_many(
+                    [Request("text", m.prompts.query("w5 w6"), img,
+                             parse({**GREEDY, "variant": v}))
+                     for img, v in ((SQ, None), (SQ, "a"), (LAND, "b"), (SQ, "b"))])
+                res.append([[h.result()["text"] for h in mixed],
+                            [md.caption(LAND, "short", settings={**GREEDY, "variant": v})
+                             for v in (None, "a", "b")]])
+            finally:
+                md.engine.close()
+        out["lora"] = res
         out["moe"] = moe_split()
     elif case == "tpu":
         # The TPU kernel (under the Pallas interpreter) over its packed pool, split by kv

@@ -67,11 +67,13 @@ def test_decode_path_programs_are_sync_free(make_cfg):
                                            dev.pending, meta, pages).compile().as_text()
         samp = np.zeros((7, 2), np.int32)
         mask = np.full((2, (cfg.text.vocab_size + 31) // 32), -1, np.int32)
-        for (stochastic, region), prog in P.sample_step.items():
-            texts[f"sample{stochastic, region}"] = prog.lower(
+        for (stochastic, region, logprobs), prog in P.sample_step.items():
+            if logprobs and not (stochastic and region):   # the widest logprobs variant
+                continue
+            texts[f"sample{stochastic, region, logprobs}"] = prog.lower(
                 model.params, dev.slots[0], dev.pending, dev.tables, samp).compile().as_text()
             # ...and its twin with the output shapes' bitmask (engine/grammar.py).
-            texts[f"sample{stochastic, region}_masked"] = prog.lower(
+            texts[f"sample{stochastic, region, logprobs}_masked"] = prog.lower(
                 model.params, dev.slots[0], dev.pending, dev.tables, samp,
                 mask).compile().as_text()
         # Prefill of a prompt after an image prefix, the image prefix itself, and its pages.
@@ -82,9 +84,16 @@ def test_decode_path_programs_are_sync_free(make_cfg):
         texts["prefill_slot"] = P.prefill_slot.lower(
             model.params, dev.pool, dev.slots[0], ids, ids, vals, pre, write,
             table).compile().as_text()
+        # ...with an image block inside the prompt (a later turn's image).
+        z = cfg.prefix_len - 1
+        texts["prefill_slot_images"] = P.prefill_slot.lower(
+            model.params, dev.pool, dev.slots[0], ids, ids, vals, pre, write, table, None,
+            jax.ShapeDtypeStruct((1, z, cfg.text.dim), np.float32)).compile().as_text()
         prep = prepare_image(model, os.path.join(FIXTURE_DIR, "img_sq378.png"))
         texts["image_kv"] = P.image_kv.lower(model.params, prep.crops, prep.src, prep.ph,
                                              prep.pw).compile().as_text()
+        texts["image_embeddings"] = P.image_embeddings.lower(
+            model.params, prep.crops, prep.src, prep.ph, prep.pw).compile().as_text()
         k = jax.ShapeDtypeStruct((cfg.text.n_layers, 730, cfg.text.n_kv_heads,
                                   cfg.text.head_dim), np.float32)
         s = np.zeros(730, np.int32)

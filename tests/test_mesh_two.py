@@ -1,5 +1,6 @@
 """One engine over a mesh of two CPU devices gives one device's results, token for token:
-GQA, the XLA sweep, an 8-bit pool, the MoE schedules and the TPU kernel split by kv heads.
+GQA, the XLA sweep, an 8-bit pool, LoRA adapters, the MoE schedules and the TPU kernel split
+by kv heads.
 The cases run in one `tests/mesh_check.py` process, as tests/test_mesh.py's do."""
 
 import pytest
@@ -18,6 +19,15 @@ def test_variants_on_2_devices(two, case):
     chips: the same tokens as one device."""
     one, mesh = two["variants"][case]
     assert mesh == one
+
+
+def test_lora_adapters_over_2_devices_equal_one_device(two):
+    """LoRA adapters on the mesh (slot tables replicated): a batch mixing two adapters and
+    the base, and a caption under each, give one device's tokens; the adapters matter."""
+    one, mesh = two["variants"]["lora"]
+    assert mesh == one
+    mixed, captions = one
+    assert mixed[0] != mixed[1] and captions[0] != captions[1] != captions[2]
 
 
 def test_every_moe_schedule_with_experts_split_over_2_devices_equals_one_device(two):

@@ -111,9 +111,6 @@ class Engine:
             raise ValueError(f"max_lora_rank must be an int in [1, 512], got {max_lora_rank!r}")
         if max_adapters and lora.supported(cfg) is not None:
             raise ValueError(f"max_adapters={max_adapters}: {lora.supported(cfg)}")
-        if max_adapters and model.tp is not None:
-            raise ValueError("LoRA adapters over a tensor-parallel mesh are not supported; "
-                             "serve adapters on one chip (max_adapters=0 on a mesh)")
         # The LoRA adapters requests may name (name -> `convert.adapters.Adapter`; the face
         # that loads them shares this dict) and the slots that hold them on the device.
         self.max_adapters, self.max_lora_rank = max_adapters, max_lora_rank
@@ -158,11 +155,14 @@ class Engine:
                                              kv_dtype=self.kv_dtype, tp=model.tp,
                                              pack=plat.pack)
         # Slot tables of the adapters (slot 0: none); None compiles programs without them.
+        # Over a mesh they are replicated, like the activations the adapters multiply (the
+        # dense layers' outputs are gathered whole, `sharding`): each chip computes every
+        # row's adapter product in full, as one chip does, so the sums are one chip's.
         self.lora = None
         if max_adapters:
             with jax.default_device(self.device):
                 self.lora = jax.device_put(lora.init_tables(cfg, max_adapters, max_lora_rank),
-                                           self.device)
+                                           self.placement)
         self.sched = Scheduler(max_batch_size=max_batch_size, n_pages=self.arenas.n_pages,
                                page_size=page_size, prefix_len=cfg.prefix_len,
                                prefill_tokens=prefill_tokens, prefix_cache=prefix_cache,
