@@ -710,7 +710,9 @@ def _chat_prompt(m: Model, c) -> tuple:
     for img, a in zip(images, at):
         off = a + shift
         prompt[off:off] = [0] * z
-        blocks.append((off, img if isinstance(img, PreparedImage) else prepare_image(m, img)))
+        # (An EncodedImage goes on as it is: the engine refuses it there by name.)
+        keep = isinstance(img, (PreparedImage, EncodedImage))
+        blocks.append((off, img if keep else prepare_image(m, img)))
         shift += z
     return image, prompt, tuple(blocks)
 

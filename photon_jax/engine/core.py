@@ -375,8 +375,10 @@ class Engine:
                     f"placeholder positions from its offset, after the one before it "
                     f"(offset {end} or more) and before the prompt's last token")
             if isinstance(img, (EncodedImage, ImagePrefix)):
-                raise RequestError(f"blocks[{i}]: an image inside a prompt is encoded in its "
-                                   "context; pass the image itself, not an encoded prefix")
+                raise RequestError(
+                    f"blocks[{i}]: an image after the start of a conversation is encoded in "
+                    f"its context, so an {type(img).__name__} (a prefix encoded alone) cannot "
+                    "stand there; pass the image itself")
             prep = img if isinstance(img, PreparedImage) else \
                 frontend.prepare_image(self.model, img)
             if not prep.has_crops:
