@@ -534,6 +534,15 @@ class Moondream:
         turns = parse_messages(messages, _chat_image)
         c = render(turns, family=m.cfg.family, query_prefix=m.cfg.tokenizer.query_prefix,
                    encode=m.prompts.encode, reasoning=reasoning)
+        # Checked before any image is decoded: each takes Z positions (BOS and the text the
+        # rest), and the engine would refuse the whole only after preparing them all.
+        need = 1 + len(c.ids) + (m.cfg.prefix_len - 1) * len(c.images)
+        if c.images and need > self.engine.max_context:
+            raise RequestError(
+                f"the conversation takes {need} positions ({len(c.images)} images of "
+                f"{m.cfg.prefix_len - 1} and {1 + len(c.ids)} tokens), which exceeds the "
+                f"context of {self.engine.max_context}: send fewer images or a shorter "
+                "conversation")
         image, prompt, blocks = _chat_prompt(m, c)
         req = Request("text", prompt, image, s, reasoning=reasoning, blocks=blocks)
         shape = lambda r: _chat_result(r, reasoning)  # noqa: E731
