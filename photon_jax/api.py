@@ -707,7 +707,7 @@ def _chat_prompt(m: Model, c) -> tuple:
     """A rendered conversation (`chat.render`) -> the request's (image, prompt, blocks): an
     image right after BOS is the image prefix (BOS joins its block, as kestrel's mask has
     it); every other image is a block of Z placeholder positions inside the prompt
-    (`Request.blocks`), prepared here once (n answers share it)."""
+    (`Request.blocks`), prepared by the engine's workers."""
     z = m.cfg.prefix_len - 1
     images, at = list(c.images), list(c.image_at)
     image = None
@@ -719,9 +719,7 @@ def _chat_prompt(m: Model, c) -> tuple:
     for img, a in zip(images, at):
         off = a + shift
         prompt[off:off] = [0] * z
-        # (An EncodedImage goes on as it is: the engine refuses it there by name.)
-        keep = isinstance(img, (PreparedImage, EncodedImage))
-        blocks.append((off, img if keep else prepare_image(m, img)))
+        blocks.append((off, img))
         shift += z
     return image, prompt, tuple(blocks)
 

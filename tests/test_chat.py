@@ -127,6 +127,10 @@ def test_refused_conversations_name_the_fix(md):
     with pytest.raises(RequestError, match="EncodedImage .*pass the image itself"):
         md.chat(_convo(([LAND], "w5"), ([enc], "w6")), reasoning=False, settings=G)
     enc.release()
+    # An unreadable image in a later turn (prepared on a worker) fails its request alone.
+    with pytest.raises(ValueError, match="image"):
+        md.chat(_convo(([LAND], "w5"), ([b"not an image" * 10], "w6")), reasoning=False,
+                settings=G)
     with pytest.raises(ChatError, match="last message must be from the user"):
         md.chat([{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"}])
     with pytest.raises(ValueError, match="reasoning must be"):

@@ -359,8 +359,9 @@ class Engine:
         return seq
 
     def _admit_blocks(self, seq: Seq, base: int) -> None:
-        """Check a request's image blocks (`Request.blocks`) and prepare their images here,
-        on the caller's thread (decoded, cropped and uploaded; encoded at the prefill)."""
+        """Check a request's image blocks (`Request.blocks`) and prepare their images on a
+        worker thread, as the front image is (decoded, cropped and uploaded; never on the
+        caller's thread, which may be an event loop; encoded at the prefill)."""
         req, z = seq.req, self.cfg.prefix_len - 1
         if req.skill != "text" or req.region:
             raise RequestError("image blocks inside a prompt are for text answers without "
@@ -379,11 +380,16 @@ class Engine:
                     f"blocks[{i}]: an image after the start of a conversation is encoded in "
                     f"its context, so an {type(img).__name__} (a prefix encoded alone) cannot "
                     "stand there; pass the image itself")
-            prep = img if isinstance(img, PreparedImage) else \
-                frontend.prepare_image(self.model, img)
-            if not prep.has_crops:
-                raise RequestError(f"blocks[{i}]: this PreparedImage has no crops")
-            seq.blocks.append((base + off, z, prep.key))
+            if isinstance(img, PreparedImage):
+                if not img.has_crops:
+                    raise RequestError(f"blocks[{i}]: this PreparedImage has no crops")
+                prep = img
+            else:   # a Future: the scheduler waits for it (`Scheduler.resolve`)
+                if isinstance(img, PIL.Image.Image):   # its pixels copied, as the front's
+                    img = pil_pixels(img)
+                prep = self._pool.submit(frontend.prepare_image, self.model, img)
+                prep.add_done_callback(lambda _: self._wake.set())
+            seq.blocks.append((base + off, z, getattr(prep, "key", None)))
             seq.block_images.append(prep)
             end = off + z
 

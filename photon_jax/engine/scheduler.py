@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import enum
 import itertools
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from .adapters import AdapterSlots
@@ -112,7 +113,8 @@ class Seq:
         self.start = prefix       # first position the prefill computes (past cached pages)
         self.prompt_chain = None  # the prompt's full pages' hash-chain keys (computed once)
         # Image blocks inside the prompt: (first position, length, image key), and their
-        # `PreparedImage`s until the prefill is launched (their crops live on the device).
+        # `PreparedImage`s (Futures while a worker prepares them; the key is known once
+        # `Scheduler.resolve` sees them done) until the prefill is launched.
         self.blocks: list = []
         self.block_images: list = []
         self.generated: list[int] = []   # committed tokens, in order
@@ -194,15 +196,22 @@ class Scheduler:
     # -- admission ------------------------------------------------------------------------
 
     def resolve(self, s: Seq) -> bool:
-        """Is the request's image prepared?  A failed preparation fails the request alone."""
-        if not s.ready and s.prep is not None and s.prep.done():
-            try:
+        """Are the request's images prepared (the front one and its blocks' images)?  A
+        failed preparation fails the request alone."""
+        try:
+            if not s.ready and s.prep is not None and s.prep.done():
                 s.image, s.ready = s.prep.result(), True
                 s.key = adapter_key(s.image.key, s.adapter)
-            except Exception as e:  # unreadable image etc.: this request alone fails
-                (self.encodes if s.skill is None else self.waiting).remove(s)
-                self.outbox.result(s.handle, error=e)
-                return False
+            if any(isinstance(p, Future) for p in s.block_images):
+                if not all(p.done() for p in s.block_images if isinstance(p, Future)):
+                    return False
+                s.block_images = [p.result() if isinstance(p, Future) else p
+                                  for p in s.block_images]
+                s.blocks = [(a, z, p.key) for (a, z, _), p in zip(s.blocks, s.block_images)]
+        except Exception as e:  # unreadable image etc.: this request alone fails
+            (self.encodes if s.skill is None else self.waiting).remove(s)
+            self.outbox.result(s.handle, error=e)
+            return False
         return s.ready
 
     def source(self, s: Seq) -> Source | None:

@@ -121,6 +121,7 @@ class Prompts:
     def __init__(self, tok: Tokenizer, cfg: TokenizerConfig):
         self.tok, self.cfg = tok, cfg
         self._byte_level = None
+        self._bytes: dict = {}
 
     def encode(self, s: str) -> list[int]:
         # Default special-token handling, as the reference calls it.
@@ -134,12 +135,18 @@ class Prompts:
         hold part of a UTF-8 character, which its decoded text cannot show).  Byte-level
         BPE (Moondream's tokenizer) maps its vocabulary's characters back to bytes; any
         other tokenizer gives the UTF-8 of the token's decoded text."""
-        if self._byte_level is None:
-            self._byte_level = type(self.tok.decoder).__name__ == "ByteLevel"
-        piece = self.tok.id_to_token(int(token_id))
-        if self._byte_level and piece is not None and all(c in _BYTE_OF for c in piece):
-            return bytes(_BYTE_OF[c] for c in piece)
-        return self.tok.decode([int(token_id)], skip_special_tokens=False).encode()
+        token_id = int(token_id)
+        raw = self._bytes.get(token_id)   # (scheduler thread: 1 + k lookups per token)
+        if raw is None:
+            if self._byte_level is None:
+                self._byte_level = type(self.tok.decoder).__name__ == "ByteLevel"
+            piece = self.tok.id_to_token(token_id)
+            if self._byte_level and piece is not None and all(c in _BYTE_OF for c in piece):
+                raw = bytes(_BYTE_OF[c] for c in piece)
+            else:
+                raw = self.tok.decode([token_id], skip_special_tokens=False).encode()
+            self._bytes[token_id] = raw   # at most the vocabulary's size
+        return raw
 
     def caption(self, length: str) -> list[int]:
         if length not in ("short", "normal", "long"):
