@@ -27,7 +27,11 @@ GREEDY = {"temperature": 0, "max_tokens": 6}
 # emitters instead of its MLIR fusion emitters (test_engine.py ran in 29 s against 40 s with
 # -O0 alone, 16 tests, a fresh compile cache each).  Results may differ in their last bits,
 # never in tokens the goldens check: tests/test_opt_level.py holds XLA's defaults to them too.
-SUITE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+# And Eigen's matrix products on one thread: the suite runs two workers and their
+# subprocesses on two cores, where each process's Eigen pool (as wide as the machine) spun
+# and switched against the others' (the two mesh processes side by side: 92.7 s -> 86.5 s).
+SUITE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+               "--xla_cpu_multi_thread_eigen=false")
 
 
 def _accelerator_plugin() -> bool:
