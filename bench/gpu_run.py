@@ -198,9 +198,21 @@ def step_engine(smoke: bool, work: str) -> None:
          equals_cpu=same_cpu, all_equal=same_loop == same_cpu == len(out))
 
 
-def _bench(script: str, args: list[str]) -> None:
-    code, _ = _stream([sys.executable, os.path.join("bench", script), *args])
-    if code != 0:
+def _bench(script: str, args: list[str], process: bool = False) -> None:
+    """Run a bench script's main(args) in this step's process: the step is already the
+    unit that a crash or a hang costs, and a new process would pay the imports and the
+    device's start again.  `process`: in a process of its own (a script that restarts
+    itself with other environment variables, as caption.py does for the CPU allocator)."""
+    if process:
+        code, _ = _stream([sys.executable, os.path.join("bench", script), *args])
+    else:
+        import importlib
+
+        if HERE not in sys.path:
+            sys.path.insert(0, HERE)
+        code = importlib.import_module(script.removesuffix(".py")).main(args)
+        sys.stdout.flush()
+    if code:
         raise SystemExit(code)
 
 
@@ -212,11 +224,12 @@ def step_md2(smoke: bool, work: str) -> None:
 
 def step_caption(smoke: bool, work: str) -> None:
     cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
-    _bench("caption.py", ["--config", "tiny", "--images", "3", "--batch", "2", "--max-tokens",
-                          "3", "--ckpt-dtype", "float32", "--compile-cache", cache] if smoke else
-           ["--config", "md2", "--images", "24", "--batch", "32", "--max-tokens", "64",
-            "--ckpt-dtype", "bfloat16", "--compile-cache", cache,
-            "--keep", os.path.join(work, "caption")])
+    args = (["--config", "tiny", "--images", "3", "--batch", "2", "--max-tokens", "3",
+             "--ckpt-dtype", "float32", "--compile-cache", cache] if smoke else
+            ["--config", "md2", "--images", "24", "--batch", "32", "--max-tokens", "64",
+             "--ckpt-dtype", "bfloat16", "--compile-cache", cache,
+             "--keep", os.path.join(work, "caption")])
+    _bench("caption.py", args, process=True)
 
 
 def step_md3(smoke: bool, work: str) -> None:
