@@ -11,10 +11,42 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(script, *args):
+    """The script in a process of its own (one that sets up JAX itself, or runs children)."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *args], cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+def _bench_module(script):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{script[:-3]}",
+                                                  os.path.join(ROOT, "bench", script))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_here(script, *args):
+    """The script's main(args) in this process: a new one would import JAX and trace the
+    tiny model's programs again (most of a smoke run's time).  With the CPU allocator's
+    settings in the environment already, the script does not restart itself to set them
+    (bench/common.py), and any child it starts inherits them."""
+    import contextlib
+    import io
+
+    mod = _bench_module(script)
+    out, env = io.StringIO(), dict(os.environ)
+    os.environ.update(_bench_module("common.py").CPU_ALLOCATOR_ENV)
+    try:
+        with contextlib.redirect_stdout(out):
+            code = mod.main(list(args))
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    assert not code, out.getvalue()[-3000:]
+    return [json.loads(line) for line in out.getvalue().splitlines() if line.startswith("{")]
 
 
 def test_pipeline_bench_smoke():
@@ -43,7 +75,7 @@ def test_pipeline_bench_smoke():
 
 
 def test_prefill_bench_smoke():
-    rows = run("prefill.py", "--smoke", "--reps", "1")
+    rows = run_here("prefill.py", "--smoke", "--reps", "1")
     kinds = {r["kind"] for r in rows}
     assert kinds == {"images", "crops", "mix"}
     assert {r["prefill"] for r in rows if r["kind"] == "mix"} == {"in_pipeline", "drained"}
@@ -161,7 +193,7 @@ def test_caption_bench_smoke():
     # The cold passes read the session's compile cache (`--compile-cache`, as
     # bench/gpu_run.py's caption step does); `--processes`' fresh_cache pass still compiles
     # from an empty cache of its own.
-    rows = run("caption.py", "--config", "tiny", "--images", "3", "--batch", "2",
+    rows = run_here("caption.py", "--config", "tiny", "--images", "3", "--batch", "2",
                "--max-tokens", "3", "--ckpt-dtype", "float32", "--processes",
                "--kv-dtype", "model", "int8",
                "--compile-cache", os.environ["JAX_COMPILATION_CACHE_DIR"])
@@ -178,7 +210,7 @@ def test_caption_bench_smoke():
 
 
 def test_prefix_bench_smoke():
-    rows = run("prefix.py", "--config", "tiny", "--images", "2", "--questions", "2",
+    rows = run_here("prefix.py", "--config", "tiny", "--images", "2", "--questions", "2",
                "--max-tokens", "2", "--batch-size", "4")
     on, off = rows
     assert (on["cache"], off["cache"]) == (True, False)
@@ -187,17 +219,17 @@ def test_prefix_bench_smoke():
 
 
 def test_shapes_bench_smoke():
-    (row,) = run("shapes.py", "--config", "tiny", "--batch", "4", "--constrained", "0", "2",
+    (row,) = run_here("shapes.py", "--config", "tiny", "--batch", "4", "--constrained", "0", "2",
                  "--steps", "8", "--reps", "1")
     assert row["kind"] == "shapes" and set(row["step_ms"]) == {"0", "2"}
     assert row["mask_bytes"]["2"] == 4 * 4 * 1024 and row["mask_us"] > 0
-    (row,) = run("shapes.py", "--config", "tiny", "--batch", "4", "--constrained", "0", "2",
+    (row,) = run_here("shapes.py", "--config", "tiny", "--batch", "4", "--constrained", "0", "2",
                  "--steps", "8", "--reps", "1", "--logprobs", "3")
     assert row["kind"] == "logprobs" and row["copy_bytes"] == {"0": 0, "2": 4 * 41 * 4}
 
 
 def test_lora_bench_smoke():
-    (row,) = run("lora.py", "--config", "tiny", "--batch", "4", "--ranks", "4", "--distinct",
+    (row,) = run_here("lora.py", "--config", "tiny", "--batch", "4", "--ranks", "4", "--distinct",
                  "2", "--modes", "gather", "--steps", "2", "--reps", "1", "--slots", "2",
                  "--no-engine")
     assert row["kind"] == "lora" and set(row["tok_s"]) == {"none", "r4/2/gather"}
@@ -207,7 +239,7 @@ def test_lora_bench_smoke():
 
 
 def test_conversation_bench_smoke():
-    rows = run("conversation.py", "--config", "tiny", "--turns", "2", "--answer-tokens", "4",
+    rows = run_here("conversation.py", "--config", "tiny", "--turns", "2", "--answer-tokens", "4",
                "--shared", "2")
     turns = [r for r in rows if r["kind"] == "conversation"]
     assert len(turns) == 4 and all(r["same_answer"] for r in turns)
@@ -218,7 +250,7 @@ def test_conversation_bench_smoke():
 
 
 def test_kv_bench_smoke():
-    rows = run("kv.py", "--config", "tiny", "--batch", "2", "--pages", "64", "--reps", "1",
+    rows = run_here("kv.py", "--config", "tiny", "--batch", "2", "--pages", "64", "--reps", "1",
                "--position", "100")
     assert {r["formulation"] for r in rows} == {"dense_scan", "paged_gather", "paged_sweep",
                                                 "paged_sweep_mul", "paged_kernel"}
@@ -226,7 +258,7 @@ def test_kv_bench_smoke():
 
 
 def test_moe_bench_smoke():
-    out = run("moe.py", "--reps", "1", "--tokens", "1", "8")
+    out = run_here("moe.py", "--reps", "1", "--tokens", "1", "8")
     rows = [r for r in out if r["kind"] == "moe"]
     assert {(r["schedule"], r["tokens"]) for r in rows} == {
         (s, n) for s in ("dense", "gather", "blocks", "ragged", "chosen") for n in (1, 8)}

@@ -302,9 +302,9 @@ def test_killed_run_then_rerun_captions_every_image_once(tiny_ckpt, tmp_path, si
 
 
 def _rerun_finishes(argv, jl, paths, expect):
-    rerun = _cli(argv)
-    out, err = rerun.communicate(timeout=300)
-    assert rerun.returncode == 0, err
+    # The rerun needs no process of its own (what is tested is the file the stopped run
+    # left): in this one, it reuses the programs this file's other runs traced.
+    assert main(argv) == 0
     recs = read_jsonl(jl)
     assert sorted(r["path"] for r in recs) == sorted(paths)   # each exactly once
     for r in recs:
