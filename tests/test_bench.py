@@ -35,16 +35,12 @@ def run_here(script, *args):
     (bench/common.py), and any child it starts inherits them."""
     import contextlib
     import io
+    from unittest import mock
 
-    mod = _bench_module(script)
-    out, env = io.StringIO(), dict(os.environ)
-    os.environ.update(_bench_module("common.py").CPU_ALLOCATOR_ENV)
-    try:
-        with contextlib.redirect_stdout(out):
-            code = mod.main(list(args))
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
+    mod, out = _bench_module(script), io.StringIO()
+    with mock.patch.dict(os.environ, _bench_module("common.py").CPU_ALLOCATOR_ENV), \
+            contextlib.redirect_stdout(out):
+        code = mod.main(list(args))
     assert not code, out.getvalue()[-3000:]
     return [json.loads(line) for line in out.getvalue().splitlines() if line.startswith("{")]
 
@@ -194,9 +190,9 @@ def test_caption_bench_smoke():
     # bench/gpu_run.py's caption step does); `--processes`' fresh_cache pass still compiles
     # from an empty cache of its own.
     rows = run_here("caption.py", "--config", "tiny", "--images", "3", "--batch", "2",
-               "--max-tokens", "3", "--ckpt-dtype", "float32", "--processes",
-               "--kv-dtype", "model", "int8",
-               "--compile-cache", os.environ["JAX_COMPILATION_CACHE_DIR"])
+                    "--max-tokens", "3", "--ckpt-dtype", "float32", "--processes",
+                    "--kv-dtype", "model", "int8",
+                    "--compile-cache", os.environ["JAX_COMPILATION_CACHE_DIR"])
     assert [(r["kv_dtype"], r["pass"]) for r in rows] == [
         (kv, p) for kv in ("model", "int8") for p in ("cold", "warm", "fresh_cache",
                                                       "warm_cache")]
@@ -211,7 +207,7 @@ def test_caption_bench_smoke():
 
 def test_prefix_bench_smoke():
     rows = run_here("prefix.py", "--config", "tiny", "--images", "2", "--questions", "2",
-               "--max-tokens", "2", "--batch-size", "4")
+                    "--max-tokens", "2", "--batch-size", "4")
     on, off = rows
     assert (on["cache"], off["cache"]) == (True, False)
     assert on["hits"] == 2 and on["misses"] == 2 and off["hits"] == 0 and off["misses"] == 4
@@ -220,18 +216,18 @@ def test_prefix_bench_smoke():
 
 def test_shapes_bench_smoke():
     (row,) = run_here("shapes.py", "--config", "tiny", "--batch", "4", "--constrained", "0", "2",
-                 "--steps", "8", "--reps", "1")
+                      "--steps", "8", "--reps", "1")
     assert row["kind"] == "shapes" and set(row["step_ms"]) == {"0", "2"}
     assert row["mask_bytes"]["2"] == 4 * 4 * 1024 and row["mask_us"] > 0
     (row,) = run_here("shapes.py", "--config", "tiny", "--batch", "4", "--constrained", "0", "2",
-                 "--steps", "8", "--reps", "1", "--logprobs", "3")
+                      "--steps", "8", "--reps", "1", "--logprobs", "3")
     assert row["kind"] == "logprobs" and row["copy_bytes"] == {"0": 0, "2": 4 * 41 * 4}
 
 
 def test_lora_bench_smoke():
     (row,) = run_here("lora.py", "--config", "tiny", "--batch", "4", "--ranks", "4", "--distinct",
-                 "2", "--modes", "gather", "--steps", "2", "--reps", "1", "--slots", "2",
-                 "--no-engine")
+                      "2", "--modes", "gather", "--steps", "2", "--reps", "1", "--slots", "2",
+                      "--no-engine")
     assert row["kind"] == "lora" and set(row["tok_s"]) == {"none", "r4/2/gather"}
     # tiny: 2 layers, sum(in + out) = 1024 per layer, rank 4, 4 rows, float32
     assert row["adapter_bytes"] == {"r4/gather": 4 * 4 * 1024 * 2 * 4}
@@ -240,7 +236,7 @@ def test_lora_bench_smoke():
 
 def test_conversation_bench_smoke():
     rows = run_here("conversation.py", "--config", "tiny", "--turns", "2", "--answer-tokens", "4",
-               "--shared", "2")
+                    "--shared", "2")
     turns = [r for r in rows if r["kind"] == "conversation"]
     assert len(turns) == 4 and all(r["same_answer"] for r in turns)
     cached = [r["cached_tokens"] for r in turns if r["cache"]]
@@ -251,7 +247,7 @@ def test_conversation_bench_smoke():
 
 def test_kv_bench_smoke():
     rows = run_here("kv.py", "--config", "tiny", "--batch", "2", "--pages", "64", "--reps", "1",
-               "--position", "100")
+                    "--position", "100")
     assert {r["formulation"] for r in rows} == {"dense_scan", "paged_gather", "paged_sweep",
                                                 "paged_sweep_mul", "paged_kernel"}
     assert all(r["ms"] > 0 and r["bytes_accessed"] > 0 for r in rows)
@@ -277,8 +273,6 @@ def test_caption_bench_runs_the_source_tree_it_is_given(tmp_path):
     """`bench/caption.py --source-tree DIR` runs DIR's photon_jax, not the checkout it was
     started from (a child started with `python -c` puts its working directory first on
     sys.path).  A fake tree whose photon-caption only reports where it lives."""
-    import importlib.util
-
     fake = tmp_path / "tree" / "photon_jax"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
@@ -288,10 +282,7 @@ def test_caption_bench_runs_the_source_tree_it_is_given(tmp_path):
         "    return types.SimpleNamespace(parse_intermixed_args=lambda argv: argv)\n"
         "def run(args):\n"
         "    return types.SimpleNamespace(exit_code=0, images_per_s=1.0, tokens_per_s=2.0)\n")
-    spec = importlib.util.spec_from_file_location("caption_bench",
-                                                  os.path.join(ROOT, "bench", "caption.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_module("caption.py")
     work = tmp_path / "work"
     work.mkdir()
     rows = bench._child(["_passes", "ckpt", "imgs", "2", "3", str(work / "o.jsonl"), ""],
