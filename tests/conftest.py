@@ -11,7 +11,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from helpers import FIXTURE_DIR, MD3_FIXTURE_DIR, suite_xla_flags
+from helpers import FIXTURE_DIR, MD3_FIXTURE_DIR, SUITE_GC_THRESHOLD, suite_xla_flags
 
 # One persistent XLA compilation cache for the session, shared with the subprocesses the CLI
 # and benchmark tests start (set before JAX is imported): each program compiles once per
@@ -35,12 +35,8 @@ os.environ.setdefault("PHOTON_JAX_GPU_RULES", "1")
 # accelerator plugin is installed (a GPU's or TPU's compiles keep their own default), and
 # PHOTON_JAX_TEST_XLA_OPT=default turns it off (helpers.suite_xla_flags decides).
 os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ)
-# Python's cyclic garbage collector less often: tracing and lowering allocate millions of
-# short-lived objects, and with the default thresholds (700, 10, 10) a worker collected about
-# 2,100 times in test_engine.py + test_lora.py, for 3.8-4.1 s of a 77 s run; at these,
-# 10 times, for 1.5-1.7 s (gc.callbacks, timed).  Nothing here relies on when cycles are freed:
-# engines close their threads and buffers explicitly.
-gc.set_threshold(100_000, 50, 1000)
+# The collector less often (helpers.SUITE_GC_THRESHOLD says why).
+gc.set_threshold(*SUITE_GC_THRESHOLD)
 # Snapshots converted on load go to a session folder, never the user's own cache.
 if "PHOTON_JAX_CACHE" not in os.environ:
     _CKPT_CACHE = tempfile.mkdtemp(prefix="photon-test-ckpt-")

@@ -15,7 +15,6 @@ DEVICES, CASES = int(sys.argv[1]), sys.argv[2].split(",")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={DEVICES}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-gc.set_threshold(100_000, 50, 1000)   # as in conftest.py (the 2-device process: 4.75 s -> 0.57 s of GC)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
@@ -29,6 +28,7 @@ from photon_jax.engine.core import Engine  # noqa: E402
 from photon_jax.engine.stepmeta import M_TABLE  # noqa: E402
 from photon_jax.model import Model  # noqa: E402
 
+gc.set_threshold(*helpers.SUITE_GC_THRESHOLD)   # as conftest.py's processes
 FIX = os.path.dirname(helpers.FIXTURE_DIR)
 HF2, HF3 = os.path.join(FIX, "moondream2-tiny"), os.path.join(FIX, "moondream3-tiny")
 MESH = Mesh(np.array(jax.devices()[:DEVICES]), ("model",))
