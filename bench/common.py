@@ -122,12 +122,12 @@ def with_weights(cfg, weights: str | None):
 
 
 def build_model(name: str, eos_bias: float = 0.0, dtype: str | None = None,
-                kv_dtype: str | None = None, weights: str | None = None):
+                kv_dtype: str | None = None, weights: str | None = None, seed: int = 0):
     """A Model of config `name` with random weights (an EOS logit bias if asked).
     `kv_dtype`: the KV pool format every run of this model gets (kept on the model as
     `bench_kv_dtype`, canonical: None = the model's dtype).  `weights`: the same random
     weights quantized ("int8", "fp8", "int4": `config.Weights.of`); None or "float32" /
-    "bfloat16" / "float": unquantized."""
+    "bfloat16" / "float": unquantized.  `seed`: the random weights' draw."""
     import jax
 
     from photon_jax.model import Model
@@ -137,7 +137,7 @@ def build_model(name: str, eos_bias: float = 0.0, dtype: str | None = None,
     cfg = CONFIGS[name]()
     if dtype:
         cfg = cfg.with_dtype(dtype)
-    params = init_params(jax.random.PRNGKey(0), cfg)
+    params = init_params(jax.random.PRNGKey(seed), cfg)
     if eos_bias:
         head = params["text"]["lm_head"]
         head["b"] = head["b"].at[cfg.tokenizer.eos_id].add(eos_bias)

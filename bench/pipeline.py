@@ -170,14 +170,19 @@ def kv_side_by_side(models, config: str, batch: int, steps: int, mode: str, reps
     for _ in range(reps):
         for i, m in enumerate(models):
             runs[i].append(ceiling_run(m, batch, steps, warm=True))
-    names = [label_of(m) for m in models]
+    weights_axis = any(getattr(m, "bench_weights", None) for m in models)
+    # Formats of the weights side by side: named by their weights alone (the pool is the
+    # same for all, given once as "kv_dtype"), so an 8-bit pool's name never collides with
+    # 8-bit weights'.
+    names = [(getattr(m, "bench_weights", None) or m.cfg.dtype) if weights_axis else label_of(m)
+             for m in models]
     tok = {n: round(median(runs[i]), 1) for i, n in enumerate(names)}
     costs = {n: decode_cost(m.cfg, batch, start(m) + steps // 2,
                             platform_=jax.devices()[0].platform, attention=m.attention,
                             kv_dtype=kv_dtype_of(m)) for n, m in zip(names, models)}
-    kind = "weights_side_by_side" if any(getattr(m, "bench_weights", None) for m in models) \
-        else "kv_side_by_side"
-    return {"kind": kind, "config": config, "batch": batch, "mode": mode,
+    kind = "weights_side_by_side" if weights_axis else "kv_side_by_side"
+    extra = {"kv_dtype": kv_dtype_of(models[0]) or models[0].cfg.dtype} if weights_axis else {}
+    return {"kind": kind, "config": config, "batch": batch, "mode": mode, **extra,
             "steps": steps, "reps": reps, "ceiling_tok_s": tok,
             "over_first": {n: round(t / tok[names[0]], 3) for n, t in tok.items()},
             "bytes_accessed": {n: c["bytes_accessed"] for n, c in costs.items()},

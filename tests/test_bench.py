@@ -185,6 +185,40 @@ def test_pipeline_bench_times_kv_formats_in_turns():
     assert side["bytes_accessed"]["int8"] < side["bytes_accessed"]["float32"]
 
 
+def test_weights_side_by_side_names_formats_by_their_weights():
+    """`--weights float32 int8 --kv-dtype int8`: the float32 model's 8-bit pool must not
+    name it "int8" (it did, and the two formats' rows collapsed into one).  The timing and
+    cost functions are stand-ins: only the naming is under test."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    mod = _bench_module("pipeline.py")
+    cfg = SimpleNamespace(dtype="float32")
+    models = [SimpleNamespace(cfg=cfg, bench_weights=w, bench_kv_dtype="int8", attention="x")
+              for w in (None, "int8")]
+    with mock.patch.object(mod, "ceiling_run", lambda m, *a, **k: 2.0 if m.bench_weights else 1.0), \
+            mock.patch.object(mod, "decode_cost", lambda *a, **k: {"bytes_accessed": 1,
+                                                                   "floor_bytes": 1}), \
+            mock.patch.object(mod, "start", lambda m: 0):
+        side = mod.kv_side_by_side(models, "tiny", 1, 2, "default", 2)
+    assert side["kind"] == "weights_side_by_side" and side["kv_dtype"] == "int8"
+    assert side["ceiling_tok_s"] == {"float32": 1.0, "int8": 2.0}
+    assert side["over_first"] == {"float32": 1.0, "int8": 2.0}
+
+
+def test_weights_fidelity_bench_smoke():
+    """bench/weights.py over two draws of the random weights: a line per draw, then the
+    summary of the agreeing steps (all draws, and the worst one)."""
+    rows = run_here("weights.py", "--config", "tiny", "--steps", "2", "--formats", "int8",
+                    "--seeds", "0", "1")
+    assert [r.get("seed") for r in rows[:2]] == [0, 1]
+    assert all(r["int8"]["steps"] == 2 and 0 < r["int8"]["max_rel_logit_error"] < 0.05
+               for r in rows[:2])
+    s = rows[-1]
+    assert s["kind"] == "summary" and s["seeds"] == [0, 1] and s["tiny/int8"]["steps"] == 4
+    assert s["tiny/int8"]["agree"] == sum(s["tiny/int8"]["per_seed"])
+
+
 def test_caption_bench_smoke():
     # The cold passes read the session's compile cache (`--compile-cache`, as
     # bench/gpu_run.py's caption step does); `--processes`' fresh_cache pass still compiles
