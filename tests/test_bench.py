@@ -219,6 +219,17 @@ def test_weights_fidelity_bench_smoke():
     assert s["tiny/int8"]["agree"] == sum(s["tiny/int8"]["per_seed"])
 
 
+def test_images_bench_smoke():
+    """bench/images.py: a line per image count, each against one image."""
+    rows = run_here("images.py", "--config", "tiny", "--images", "1", "2", "--reps", "1",
+                    "--answer-tokens", "3")
+    assert [(r["kind"], r["images"]) for r in rows] == [("images", 1), ("images", 2)]
+    # the second image is a 729-position block: the image prefix less its BOS
+    assert rows[1]["prompt_tokens"] - rows[0]["prompt_tokens"] == 729
+    assert all(r["ttft_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
+    assert rows[0]["ttft_over_one"] == 1.0 and rows[1]["ttft_over_one"] > 0
+
+
 def test_caption_bench_smoke():
     # The cold passes read the session's compile cache (`--compile-cache`, as
     # bench/gpu_run.py's caption step does); `--processes`' fresh_cache pass still compiles
