@@ -154,6 +154,22 @@ def build_model(name: str, eos_bias: float = 0.0, dtype: str | None = None,
     return model
 
 
+def with_context(model, positions: int):
+    """`model` (the same weights) with `max_context` raised to hold `positions`, in steps
+    of 256; unchanged if it holds them already.  The small configs' context is 1024; a long
+    conversation or several images need more, and random weights do not care where their
+    rotary positions end."""
+    from dataclasses import replace
+
+    from photon_jax.model import Model
+
+    cfg = model.cfg
+    if positions <= cfg.text.max_context:
+        return model
+    cfg = replace(cfg, text=replace(cfg.text, max_context=-(-positions // 256) * 256))
+    return Model(cfg, model.params, model.prompts.tok, device=model.device)
+
+
 def label_of(model) -> str:
     """What tells a benchmark model apart in a side-by-side run: its quantized weights, its
     KV pool format, else its dtype."""

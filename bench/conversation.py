@@ -32,7 +32,8 @@ import sys
 import threading
 import time
 
-from common import CONFIGS, ROOT, build_model, env_info, reexec_with_allocator_env
+from common import (CONFIGS, ROOT, build_model, env_info, reexec_with_allocator_env,
+                    with_context)
 
 IMAGE = os.path.join(ROOT, "tests", "fixtures", "moondream2-tiny", "img_land800x600.png")
 
@@ -135,15 +136,7 @@ def main(argv=None) -> int:
     model = build_model(args.config, dtype=args.dtype)
     warm = ImageOps.mirror(Image.open(IMAGE).convert("RGB"))
     ctx = model.cfg.prefix_len + args.turns * (args.answer_tokens + 16) + 64
-    if ctx > model.cfg.text.max_context:
-        # The small configs' context is 1024; a long conversation needs more (the random
-        # weights do not care where their rotary positions end).
-        from dataclasses import replace
-
-        from photon_jax.model import Model
-
-        cfg = replace(model.cfg, text=replace(model.cfg.text, max_context=-(-ctx // 256) * 256))
-        model = Model(cfg, model.params, model.prompts.tok, device=model.device)
+    model = with_context(model, ctx)
     runs = {}
     settings = (True,) if args.cache_only else (False, True)
     for cache in settings:   # cache off first: it also compiles what both use

@@ -12,7 +12,7 @@ pixels), so neither cache helps: this is the cost of a first question.  Per N, o
    (both against N = 1)}
 
 Each N's programs are compiled by a warm-up request first (not timed).  The random weights'
-context is raised to what the largest N needs (`small_v27`: 1024 -> 2304 for 3 images).
+context is raised to what the largest N needs (`small_v27`: 1024 -> 2560 for 3 images).
 
     python bench/images.py                               # small_v27, 1-3 images
     python bench/images.py --config tiny --images 1 2 --reps 1 --answer-tokens 4  # smoke
@@ -27,7 +27,8 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import CONFIGS, build_model, env_info, reexec_with_allocator_env  # noqa: E402
+from common import (CONFIGS, build_model, env_info, reexec_with_allocator_env,  # noqa: E402
+                    with_context)
 
 QUESTION = "w5 w6 w7"
 
@@ -55,25 +56,22 @@ def main(argv=None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
+    if args.answer_tokens < 2 or min(args.images) < 1:
+        ap.error("--answer-tokens must be at least 2 (a decode rate needs two tokens) and "
+                 "--images at least 1")
     reexec_with_allocator_env(__file__)
-
-    from dataclasses import replace
 
     import numpy as np
 
     from photon_jax import Moondream
     from photon_jax.engine.core import Engine
-    from photon_jax.model import Model
 
     # EOS pushed far down: every answer is `--answer-tokens` long.
     model = build_model(args.config, eos_bias=-1e4)
+    per_image = model.cfg.prefix_len - 1    # an image block: the prefix without BOS
+    model = with_context(model, model.cfg.prefix_len + (max(args.images) - 1) * per_image
+                         + args.answer_tokens + 64)
     cfg = model.cfg
-    per_image = cfg.prefix_len - 1          # an image block: the prefix without BOS
-    ctx = cfg.prefix_len + (max(args.images) - 1) * per_image + args.answer_tokens + 64
-    if ctx > cfg.text.max_context:
-        # The random weights do not care where their rotary positions end.
-        cfg = replace(cfg, text=replace(cfg.text, max_context=-(-ctx // 256) * 256))
-        model = Model(cfg, model.params, model.prompts.tok, device=model.device)
     rng = np.random.default_rng(0)
     md = Moondream(model, Engine(model, max_batch_size=2, max_context=cfg.text.max_context,
                                  kv_cache_tokens=4 * -(-cfg.text.max_context // 64) * 64))

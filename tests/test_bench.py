@@ -214,18 +214,22 @@ def test_weights_fidelity_bench_smoke():
     assert [r.get("seed") for r in rows[:2]] == [0, 1]
     assert all(r["int8"]["steps"] == 2 and 0 < r["int8"]["max_rel_logit_error"] < 0.05
                for r in rows[:2])
-    s = rows[-1]
-    assert s["kind"] == "summary" and s["seeds"] == [0, 1] and s["tiny/int8"]["steps"] == 4
-    assert s["tiny/int8"]["agree"] == sum(s["tiny/int8"]["per_seed"])
+    # The summary counts each draw's agreeing steps from its own line.
+    per_seed = [round(r["int8"]["top1_agreement"] * 2) for r in rows[:2]]
+    s = rows[-1]["tiny/int8"]
+    assert rows[-1]["kind"] == "summary" and rows[-1]["seeds"] == [0, 1]
+    assert (s["per_seed"], s["agree"], s["steps"], s["worst"]) == (
+        per_seed, sum(per_seed), 4, min(per_seed))
 
 
 def test_images_bench_smoke():
-    """bench/images.py: a line per image count, each against one image."""
-    rows = run_here("images.py", "--config", "tiny", "--images", "1", "2", "--reps", "1",
+    """bench/images.py: a line per image count, each against one image.  Three images do
+    not fit the fixture's 2048 positions: the bench raises the context (`with_context`)."""
+    rows = run_here("images.py", "--config", "tiny", "--images", "1", "3", "--reps", "1",
                     "--answer-tokens", "3")
-    assert [(r["kind"], r["images"]) for r in rows] == [("images", 1), ("images", 2)]
-    # the second image is a 729-position block: the image prefix less its BOS
-    assert rows[1]["prompt_tokens"] - rows[0]["prompt_tokens"] == 729
+    assert [(r["kind"], r["images"]) for r in rows] == [("images", 1), ("images", 3)]
+    # each image after the first is a 729-position block: the image prefix less its BOS
+    assert rows[0]["prompt_tokens"] + 2 * 729 == rows[1]["prompt_tokens"] > 2048
     assert all(r["ttft_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
     assert rows[0]["ttft_over_one"] == 1.0 and rows[1]["ttft_over_one"] > 0
 
