@@ -15,7 +15,9 @@ One JSON line ("kind": "lora") per batch size:
   tok_s         {variant: tokens/s}, and `over_none`: each against "none"
   adapter_bytes {rank/mode: adapter bytes one decode step reads: "gather" rows x rank x
                 sum(in + out) x layers, "masked" (slots + 1) x rank x sum(in + out) x
-                layers, times the dtype's size}, next to `weight_bytes` (what every step
+                layers, times the dtype's size; a Moondream 3 config's expert adapters
+                are gathered per (row, expert) assignment in both: rows x k x rank/k x
+                (in + out) per expert target}, next to `weight_bytes` (what every step
                 reads anyway).  Counted, not taken from XLA's cost analysis: on CPU the
                 dense layers run in our kernel, a custom call XLA does not count, and XLA
                 charges a gather the whole table it gathers from
@@ -26,6 +28,7 @@ One JSON line ("kind": "lora") per batch size:
 
     python bench/lora.py                          # small, batch 8 and 32, ranks 8 and 64
     python bench/lora.py --config tiny --batch 4 --ranks 4 --distinct 0 2 --steps 4 --reps 1
+    python bench/lora.py --config small_md3 --modes gather   # Moondream 3's expert adapters
 """
 
 from __future__ import annotations
@@ -98,8 +101,38 @@ def _adapter_bytes(cfg, batch: int, slots: int, rank: int, mode: str) -> int:
 
     from photon_jax.model import lora
 
-    per = sum(i + o for i, o in lora.target_dims(cfg).values()) * rank * cfg.text.n_layers
-    return per * (batch if mode == "gather" else slots + 1) * np.dtype(cfg.dtype).itemsize
+    k = cfg.text.moe.experts_per_token if cfg.text.moe else 1
+    total = 0
+    for layer in lora.layout(cfg, rank):
+        for t, (a, b) in layer.items():
+            per = a[-2] * (a[-1] + b[-2])   # rank x (in + out)
+            if t in lora.EXPERT_TARGETS:
+                total += per * batch * k
+            else:
+                total += per * (batch if mode == "gather" else slots + 1)
+    return total * np.dtype(cfg.dtype).itemsize
+
+
+def _adapter_file(cfg, rank: int, rng) -> dict:
+    """A random adapter of rank `rank` under its published names: the reference's for
+    Moondream 2, kestrel's for Moondream 3 (`convert.adapters`)."""
+    import numpy as np
+
+    from photon_jax.model import lora
+
+    md2 = {"qkv": "attn.qkv", "proj": "attn.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
+    out = {}
+    for li, layer in enumerate(lora.layout(cfg, rank)):
+        for t, shapes in layer.items():
+            for ab, shape in zip("AB", shapes):
+                if cfg.text.moe is None:
+                    key = f"text.blocks.{li}.{md2[t]}.{ab}"
+                elif t in lora.EXPERT_TARGETS:
+                    key = f"text_lora.moe.{li - cfg.text.n_dense}.{t}_{ab.lower()}"
+                else:
+                    key = f"text_lora.dense.{li}.{'up' if t == 'fc1' else 'down'}_{ab.lower()}"
+                out[key] = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+    return out
 
 
 def _load_ms(model, rank: int, slots: int) -> float:
@@ -113,9 +146,9 @@ def _load_ms(model, rank: int, slots: int) -> float:
     tables = jax.device_put(lora.init_tables(cfg, slots, rank))
     write = step.programs_of(model).write_adapter
     rng = np.random.default_rng(0)
-    one = [{t: {"A": rng.standard_normal((rank, i)).astype(np.float32),
-                "B": rng.standard_normal((o, rank)).astype(np.float32)}
-            for t, (i, o) in lora.target_dims(cfg).items()} for _ in range(cfg.text.n_layers)]
+    one = [{t: {"A": rng.standard_normal(a).astype(np.float32),
+                "B": rng.standard_normal(b).astype(np.float32)}
+            for t, (a, b) in layer.items()} for layer in lora.layout(cfg, rank)]
     times = []
     for k in range(6):
         t0 = time.perf_counter()
@@ -137,7 +170,6 @@ def _engine_load(model, batch: int, rank: int) -> dict:
     from photon_jax.engine.core import Engine
     from photon_jax.engine.request import Request
     from photon_jax.engine.settings import Settings
-    from photon_jax.model import lora
 
     from safetensors.numpy import save_file
 
@@ -146,17 +178,8 @@ def _engine_load(model, batch: int, rank: int) -> dict:
     names = {}
     with tempfile.TemporaryDirectory() as d:
         for n in range(8):   # four per round, each new to the engine
-            rng = np.random.default_rng(n)
-            t = {}
-            for li in range(cfg.text.n_layers):
-                for tgt, (i, o) in lora.target_dims(cfg).items():
-                    key = {"qkv": "attn.qkv", "proj": "attn.proj"}.get(tgt, f"mlp.{tgt}")
-                    t[f"text.blocks.{li}.{key}.A"] = (rng.standard_normal((rank, i))
-                                                      * 0.02).astype(np.float32)
-                    t[f"text.blocks.{li}.{key}.B"] = (rng.standard_normal((o, rank))
-                                                      * 0.02).astype(np.float32)
             p = os.path.join(d, f"a{n}.safetensors")
-            save_file(t, p)
+            save_file(_adapter_file(cfg, rank, np.random.default_rng(n)), p)
             names[f"a{n}"] = read_adapter(p, cfg, name=f"a{n}", max_rank=rank)
     eng = Engine(model, max_batch_size=batch + 8, max_adapters=8, max_lora_rank=rank,
                  adapters=names, prefill_tokens=(batch + 8) * (cfg.prefix_len + 64))

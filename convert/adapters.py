@@ -1,13 +1,26 @@
-"""Moondream 2 LoRA adapters (finetune "variants") read as published: a variant's `final.pt`,
-or a safetensors file with the same names, into host arrays checked against the model.
+"""LoRA adapters (finetune "variants") read as published: a variant's `final.pt`, or a
+safetensors file with the same names, into host arrays checked against the model.
 
-The published layout is the public reference's (`moondream/torch/lora.py`): a flat state
-dict whose keys name each text block's adapted layer in the training code's names, e.g.
+Two published layouts are read.
+
+Moondream 2's is the public reference's (`moondream/torch/lora.py`): a flat state dict
+whose keys name each text block's adapted layer in the training code's names, e.g.
 `text_model.transformer.h.0.mixer.Wqkv.parametrizations.weight.0.A`.  The reference renames
 `text_model.transformer.h` -> `text.blocks`, `.mixer` -> `.attn`, `.out_proj` -> `.proj`,
 `.Wqkv` -> `.qkv` and drops `.parametrizations.weight.0`, giving
 `text.blocks.<i>.{attn.qkv, attn.proj, mlp.fc1, mlp.fc2}.{A, B}`; either spelling is taken
 here.  A is [rank, in], B [out, rank], used as stored (no scale).
+
+Moondream 3's is kestrel's (0.9.2, `models/moondream/lora.py`; `cloud/adapter_provider.py`
+reads a finetune checkpoint as `torch.load(...)["lora_state_dict"]` into its `LoRA`
+module): `text_lora.dense.<i>.{up,down}_{a,b}` for the dense layers (up = fc1, down = fc2;
+a [rank, in], b [out, rank]) and `text_lora.moe.<j>.{up,down}_{a,b}` for mixture-of-experts
+layer start_layer + j (up_a [E, rank/k, D], up_b [E, 2I, rank/k] in the checkpoint's
+gate-then-up order, down_a [E, rank/k, I], down_b [E, D, rank/k]).  Its `LoRA` module
+registers the text adapters twice (`_text` and `text_lora`), so its `state_dict()` holds
+every tensor under both prefixes: both are read, and must agree.  The dense names fit a
+Moondream 2 model's fc1 and fc2 too.  kestrel refuses a vision adapter
+(`vision_lora.proj_fc2`, "Vision LoRA is not supported"); so does this reader, by name.
 
 Where a variant id lives: the reference caches `final.pt` under
 `$HF_HUB_CACHE/md_variants/<id>/`, else `$HF_HOME/hub/md_variants/<id>/`, else
@@ -43,6 +56,8 @@ from .torch_zip import TorchZipError, index_torch_checkpoint
 _RENAMES = (("text_model.transformer.h", "text.blocks"), (".mixer", ".attn"),
             (".out_proj", ".proj"), (".Wqkv", ".qkv"), (".parametrizations.weight.0", ""))
 _KEY = re.compile(r"text\.blocks\.(\d+)\.(attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(A|B)")
+_KESTREL = re.compile(r"(?:(text_lora|_text)\.)?(dense|moe)\.(\d+)\.(up|down)_(a|b)")
+_VISION = re.compile(r"(?:vision_lora|_vision)\..*")
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 MAX_FILE_BYTES = 4 << 30
 
@@ -53,23 +68,28 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class Adapter:
-    """One adapter on the host: `layers[i][target]` = (A [rank, in], B [out, rank]) float32
-    for every text layer and target the file adapts (absent ones are zeros), its rank, and
-    `digest`, a hash of its contents (the namespace of the prefix caches it fills)."""
+    """One adapter on the host: `layers[i][target]` = (A, B) float32 for every text layer
+    and target the file adapts (`lora.layout`'s shapes at the adapter's own ranks), its
+    total rank (a per-expert rank counts k times: kestrel's rank), `digest`, a hash of its
+    contents (the namespace of the prefix caches it fills), and the model config."""
     name: str
     rank: int
     layers: tuple
     digest: bytes
+    cfg: MoondreamConfig
 
     def padded(self, rank: int, dtype) -> list:
-        """The slot-table form (`lora.init_tables` without the slot axis) at `rank`."""
+        """The slot-table form (`lora.init_tables` without the slot axis) at total rank
+        `rank`: every target of `lora.layout`, zeros where the file adapts nothing."""
         out = []
-        for layer in self.layers:
+        for layer, shapes in zip(self.layers, lora.layout(self.cfg, rank)):
             d = {}
-            for t, (a, b) in layer.items():
-                pa = np.zeros((rank, a.shape[1]), dtype)
-                pb = np.zeros((b.shape[0], rank), dtype)
-                pa[:a.shape[0]], pb[:, :b.shape[1]] = a, b
+            for t, (sa, sb) in shapes.items():
+                pa, pb = np.zeros(sa, dtype), np.zeros(sb, dtype)
+                if t in layer:
+                    a, b = layer[t]
+                    r = a.shape[-2]
+                    pa[..., :r, :], pb[..., :r] = a, b
                 d[t] = {"A": pa, "B": pb}
             out.append(d)
         return out
@@ -138,36 +158,74 @@ def _index(path: str) -> dict:
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic[:2] == b"PK":
-            return index_torch_checkpoint(path)
+            return index_torch_checkpoint(path, nested=("lora_state_dict",))
         return read_header(path)
     except (SafetensorsError, TorchZipError) as e:
         raise AdapterError(f"adapter {path}: {e}") from None
+
+
+def _parse_key(key: str, cfg: MoondreamConfig):
+    """(text layer, target, "A" | "B", alias) of a published adapter key, else None.
+    `alias`: kestrel's module prefix (`_text` or `text_lora`), which names the same
+    tensor twice."""
+    m = _KESTREL.fullmatch(key)
+    if m is not None:
+        prefix, group, idx, proj, ab = m.groups()
+        li = int(idx) + (cfg.text.n_dense if group == "moe" else 0)
+        if group == "dense":
+            target = "fc1" if proj == "up" else "fc2"
+        else:
+            target = proj
+        return li, target, ab.upper(), prefix or ""
+    m = _KEY.fullmatch(canonical_key(key))
+    if m is not None:
+        return int(m.group(1)), m.group(2).split(".")[1], m.group(3), ""
+    return None
 
 
 def read_adapter(path, cfg: MoondreamConfig, *, name: str, max_rank: int) -> Adapter:
     """Read and check one adapter file for the model `cfg` (a `.pt` zip archive as
     `torch.save` writes it, or `.safetensors`)."""
     path = os.fspath(path)
-    why = lora.supported(cfg)
+    why = lora.supported(cfg, max_rank)
     if why is not None:
         raise AdapterError(f"adapter {name!r}: {why}")
     refs = _index(path)
-    dims = lora.target_dims(cfg)
+    shapes = lora.layout(cfg, 1)   # rank 1: where each target's rank axis lies
+    k = cfg.text.moe.experts_per_token if cfg.text.moe else 1
     found: dict = {}
     for key, ref in refs.items():
-        m = _KEY.fullmatch(canonical_key(key))
-        if m is None:
-            raise AdapterError(f"adapter {name!r} ({path}): tensor {key!r} is not a Moondream 2 "
-                               "text adapter weight (text blocks' qkv, proj, fc1, fc2 A/B)")
-        li, target, ab = int(m.group(1)), m.group(2).split(".")[1], m.group(3)
+        if _VISION.fullmatch(key):
+            raise AdapterError(f"adapter {name!r} ({path}): tensor {key!r} adapts the vision "
+                               "projection, which neither Moondream's own engine (kestrel "
+                               "0.9.2: 'Vision LoRA is not supported') nor photon_jax "
+                               "applies; remove the vision_lora tensors to serve its text "
+                               "adapters")
+        parsed = _parse_key(key, cfg)
+        if parsed is None:
+            raise AdapterError(f"adapter {name!r} ({path}): tensor {key!r} is not a Moondream "
+                               "text adapter weight (Moondream 2: text blocks' qkv, proj, "
+                               "fc1, fc2 A/B; Moondream 3: text_lora.dense.<i> / "
+                               "text_lora.moe.<j> up/down a/b)")
+        li, target, ab, alias = parsed
         if li >= cfg.text.n_layers:
             raise AdapterError(f"adapter {name!r}: tensor {key!r} is for text layer {li}, but "
                                f"the model has {cfg.text.n_layers}: an adapter of another model")
+        if target not in shapes[li]:
+            kind = "mixture-of-experts" if target in lora.EXPERT_TARGETS else "dense"
+            raise AdapterError(
+                f"adapter {name!r}: tensor {key!r} adapts text layer {li}'s {target}, which "
+                f"this model's adapters do not have (layer {li} is a "
+                f"{'mixture-of-experts' if li >= cfg.text.n_dense else 'dense'} layer; "
+                f"{kind} targets there: {sorted(shapes[li])}): an adapter of another model")
         slot = found.setdefault((li, target), {})
-        if ab in slot:   # both spellings of one weight: which one is meant is not ours to guess
-            raise AdapterError(f"adapter {name!r}: tensors {slot[ab][0]!r} and {key!r} are the "
+        entry = slot.setdefault(ab, {})
+        if alias in entry or (entry and (alias == "" or "" in entry)):
+            # both spellings of one weight: which one is meant is not ours to guess
+            other = next(iter(entry.values()))[0]
+            raise AdapterError(f"adapter {name!r}: tensors {other!r} and {key!r} are the "
                                "same weight under two names; keep one")
-        slot[ab] = (key, ref)
+        entry[alias] = (key, ref)
     if not found:
         raise AdapterError(f"adapter {name!r} ({path}) holds no adapter weights")
     h = hashlib.blake2b(digest_size=16)
@@ -177,38 +235,49 @@ def read_adapter(path, cfg: MoondreamConfig, *, name: str, max_rank: int) -> Ada
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"adapter {name!r}: text layer {li} {target} has only "
                                f"{sorted(pair)}; it needs both A and B")
-        (ka, ra), (kb, rb) = pair["A"], pair["B"]
-        i, o = dims[target]
-        if len(ra.shape) != 2 or len(rb.shape) != 2 or ra.shape[1] != i or rb.shape[0] != o \
-                or ra.shape[0] != rb.shape[1]:
+        (ka, ra), (kb, rb) = (next(iter(pair[x].values())) for x in ("A", "B"))
+        sa, sb = shapes[li][target]
+        want_a = sa[:-2] + (None, sa[-1])   # None: the rank
+        want_b = sb[:-1] + (None,)
+        fits = (len(ra.shape) == len(sa) and len(rb.shape) == len(sb)
+                and all(w is None or w == g for w, g in zip(want_a, ra.shape))
+                and all(w is None or w == g for w, g in zip(want_b, rb.shape))
+                and ra.shape[-2] == rb.shape[-1])
+        if not fits:
+            show = lambda w: "[" + ", ".join("rank" if x is None else str(x) for x in w) + "]"  # noqa: E731
             raise AdapterError(
                 f"adapter {name!r}: text layer {li} {target}: A {list(ra.shape)} and B "
-                f"{list(rb.shape)} do not fit this model (expected A [rank, {i}], "
-                f"B [{o}, rank]): an adapter of another model")
-        r = ra.shape[0]
-        if not 1 <= r <= max_rank:
-            raise AdapterError(f"adapter {name!r} has rank {r} (text layer {li} {target}), "
-                               f"over this engine's max_lora_rank {max_rank}; raise "
-                               "max_lora_rank")
-        ranks.add(r)
+                f"{list(rb.shape)} do not fit this model (expected A {show(want_a)}, "
+                f"B {show(want_b)}): an adapter of another model")
+        r = ra.shape[-2]
+        total = r * k if target in lora.EXPERT_TARGETS else r
+        if r < 1 or total > max_rank:
+            per = f" ({r} per expert, {k} experts per token)" if total != r else ""
+            raise AdapterError(f"adapter {name!r} has rank {total}{per} (text layer {li} "
+                               f"{target}), over this engine's max_lora_rank {max_rank}; "
+                               "raise max_lora_rank")
+        ranks.add(total)
         arrays = []
-        for key, ref in ((ka, ra), (kb, rb)):
-            if ref.dtype not in ("F32", "F16", "BF16"):
-                raise AdapterError(f"adapter {name!r}: tensor {key!r} is {ref.dtype}; adapters "
-                                   "are float32, float16 or bfloat16")
-            try:
-                x = read_tensor(ref).astype(np.float32)
-            except SafetensorsError as e:
-                raise AdapterError(f"adapter {name!r}: {e}") from None
-            if not np.isfinite(x).all():
-                raise AdapterError(f"adapter {name!r}: tensor {key!r} holds NaN or inf")
-            arrays.append(x)
+        for x_name in ("A", "B"):
+            got = None
+            for key, ref in pair[x_name].values():
+                if ref.dtype not in ("F32", "F16", "BF16"):
+                    raise AdapterError(f"adapter {name!r}: tensor {key!r} is {ref.dtype}; "
+                                       "adapters are float32, float16 or bfloat16")
+                try:
+                    x = read_tensor(ref).astype(np.float32)
+                except SafetensorsError as e:
+                    raise AdapterError(f"adapter {name!r}: {e}") from None
+                if not np.isfinite(x).all():
+                    raise AdapterError(f"adapter {name!r}: tensor {key!r} holds NaN or inf")
+                if got is not None and (x.shape != got[1].shape or
+                                        not np.array_equal(x, got[1])):
+                    raise AdapterError(f"adapter {name!r}: tensors {got[0]!r} and {key!r} "
+                                       "name one weight (kestrel's two module prefixes) but "
+                                       "differ; keep one")
+                got = (key, x)
+            arrays.append(got[1])
             h.update(f"{li}.{target}".encode())
-            h.update(x.tobytes())
+            h.update(got[1].tobytes())
         layers[li][target] = tuple(arrays)
-    rank = max(ranks)
-    for li, layer in enumerate(layers):   # targets the file leaves out add nothing
-        for t, (i, o) in dims.items():
-            layer.setdefault(t, (np.zeros((rank, i), np.float32), np.zeros((o, rank),
-                                                                           np.float32)))
-    return Adapter(name, rank, tuple(layers), h.digest())
+    return Adapter(name, max(ranks), tuple(layers), h.digest(), cfg)

@@ -184,8 +184,21 @@ def _contiguous(shape: tuple, stride: tuple) -> bool:
     return True
 
 
-def index_torch_checkpoint(path) -> dict[str, TensorRef]:
-    """Every tensor of a torch zip-archive checkpoint holding a flat dict name -> tensor."""
+def _plain(v) -> bool:
+    """A value a checkpoint may carry beside its weights (a step count, a name, a config)."""
+    if isinstance(v, (type(None), bool, int, float, str)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(_plain(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _plain(x) for k, x in v.items())
+    return False
+
+
+def index_torch_checkpoint(path, nested: tuple = ()) -> dict[str, TensorRef]:
+    """Every tensor of a torch zip-archive checkpoint holding a flat dict name -> tensor, or
+    (a key of `nested` in it) a dict holding that flat dict under the key beside plain
+    values: Moondream's finetune checkpoints put their weights in `lora_state_dict`."""
     path = os.fspath(path)
     size = os.path.getsize(path)
     try:
@@ -216,6 +229,9 @@ def index_torch_checkpoint(path) -> dict[str, TensorRef]:
         except Exception as e:  # a damaged pickle raises all sorts of errors
             raise TorchZipError(f"{path}: unreadable data.pkl ({e!r}); re-download the "
                                 "file") from None
+        inner = [k for k in nested if isinstance(obj, dict) and isinstance(obj.get(k), dict)]
+        if inner and all(_plain(v) for k, v in obj.items() if k != inner[0]):
+            obj = obj[inner[0]]
         if not isinstance(obj, dict) or not all(
             isinstance(k, str) and isinstance(v, _Tensor) for k, v in obj.items()
         ):

@@ -143,13 +143,15 @@ class Moondream:
             already quantized).  Results differ slightly from the float weights
             (docs/quantization.md gives the measured agreement).
         adapters: {name: path} of LoRA adapters (finetune variants: a `final.pt` as the
-            reference downloads it, or a .safetensors file with its names), checked and
+            reference downloads it -- Moondream 3's in kestrel's layout, per-expert
+            adapters included -- or a .safetensors file with its names), checked and
             loaded now; requests pick one with settings={"variant": name}.  A variant id
             not loaded is looked up in the reference's cache folder (`md_variants/<id>/
             final.pt`) and downloaded where the reference would download it.
         max_adapters: adapter slots on the device, one per adapter in use at a time (None:
             4 if `adapters` is given, else 0: programs without adapter products).
-        max_lora_rank: the largest adapter rank a slot holds (smaller ones are padded).
+        max_lora_rank: the largest adapter rank a slot holds (smaller ones are padded;
+            Moondream 3's experts hold max_lora_rank / experts_per_token each, as kestrel).
         Nothing is downloaded but a hub id's files missing from the Hugging Face cache (and
         the starmie tokenizer, when the snapshot lacks it) and variants named by requests,
         unless HF_HUB_OFFLINE is set.

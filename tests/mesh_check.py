@@ -18,6 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
@@ -96,6 +97,15 @@ def moe_split() -> dict:
          "fc1": jax.random.normal(keys[2], (e, d, 2 * inner)) / 7,
          "fc2": jax.random.normal(keys[3], (e, inner, d)) / 5}
     x = jax.random.normal(jax.random.PRNGKey(22), (90, d))
+    # Per-expert LoRA tables (Moondream 3's adapters): 2 slots of rank 2 per expert, and
+    # the tokens' slots cycling through none, 1 and 2.
+    r, lk = 2, jax.random.split(jax.random.PRNGKey(23), 4)
+    tables = {"up": {"A": jax.random.normal(lk[0], (3, e, r, d)) / 7,
+                     "B": jax.random.normal(lk[1], (3, e, 2 * inner, r)) / 2},
+              "down": {"A": jax.random.normal(lk[2], (3, e, r, inner)) / 5,
+                       "B": jax.random.normal(lk[3], (3, e, d, r)) / 2}}
+    tables = jax.tree.map(lambda t: t.at[0].set(0), tables)
+    slots = jnp.arange(90, dtype=jnp.int32) % 3
     tp, out = TensorParallel(MESH), {}
     for how, n in (("dense", 8), ("gather", 2), ("blocks", 90), ("ragged", 90),
                    ("megablox-interpret", 90)):
@@ -103,6 +113,12 @@ def moe_split() -> dict:
         one = np.asarray(jax.jit(fn)(p, x[:n]))
         split = np.asarray(jax.jit(partial(fn, tp=tp))(p, x[:n]))
         out[how] = bool(np.array_equal(one, split))
+        ad = (tables, slots[:n])
+        one_l = np.asarray(jax.jit(lambda p, x, ad: fn(p, x, lora=ad))(p, x[:n], ad))
+        split_l = np.asarray(jax.jit(lambda p, x, ad: fn(p, x, tp=tp, lora=ad))(p, x[:n], ad))
+        # equal over the mesh, and the adapters changed the rows of slots 1 and 2
+        out[how + "+lora"] = bool(np.array_equal(one_l, split_l)
+                                  and np.abs(one_l - one)[1:].max() > 1e-3)
     return out
 
 

@@ -254,3 +254,23 @@ def test_the_full_size_decode_step_with_adapter_slots_lowers_for_cuda(mode):
     assert "tensor<9x64x2048xbf16>" in pre
     one = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], jnp.float32), tables)
     lower_for_cuda(P.write_adapter, (tables, jax.ShapeDtypeStruct((), jnp.int32), one))
+
+
+def test_moondream3_full_size_decode_step_with_expert_adapter_slots_lowers_for_cuda():
+    """Moondream 3 at full size, batch 32, 8 LoRA slots of rank 64 in kestrel's layout
+    (8 per expert), abstract shapes only: the decode step lowers for CUDA with the expert
+    tables in it, read per assignment in the model's dtype."""
+    from gpu_compile import decode_args
+
+    from photon_jax.model import lora
+
+    cfg = moondream3().with_dtype("bfloat16")
+    a = decode_args(cfg, 32, 64, free=None, kv_cache_tokens=32 * 2048)
+    P = step_mod.build_for(cfg, "gpu")
+    tables = jax.eval_shape(lambda: lora.init_tables(cfg, 8, 64))
+    assert "qkv" not in tables[0] and set(tables[-1]) == {"up", "down"}
+    text = lower_for_cuda(P.forward, (a["params"], a["dev"].pool, a["dev"].slots[0],
+                                      a["dev"].pending, a["meta"], a["owners"], 1, tables))
+    assert text.count(TRITON) >= 1
+    assert "tensor<9x64x8x2048xbf16>" in text   # up A: slots + 1, experts, 64 / 8, D
+    assert "tensor<9x64x2048x8xbf16>" in text   # up B: 2I = 2048 rows

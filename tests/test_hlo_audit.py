@@ -112,12 +112,15 @@ def test_decode_path_programs_are_sync_free(make_cfg):
         assert '"known_trip_count"' in texts["image_kv"]
 
 
-@pytest.mark.parametrize("mode", ["gather", "masked"])
-def test_adapter_programs_are_sync_free(mode):
+@pytest.mark.parametrize("mode,make_cfg", [("gather", tiny), ("masked", tiny),
+                                           ("gather", tiny_md3)],
+                         ids=["gather", "masked", "moondream3"])
+def test_adapter_programs_are_sync_free(mode, make_cfg):
     """The decode, prefill and image programs with LoRA slot tables (each row's adapter a
-    gathered or masked product: docs/lora.md), and the slot write, have no conditional and
-    no unknown-trip loop either."""
-    cfg = tiny()
+    gathered or masked product: docs/lora.md; Moondream 3's per-expert adapters gathered
+    per assignment, in chunks over the image prefix's), and the slot write, have no
+    conditional and no unknown-trip loop either."""
+    cfg = make_cfg()
     model = Model(cfg, init_params(jax.random.PRNGKey(0), cfg),
                   load_tokenizer(os.path.join(FIXTURE_DIR, "tokenizer.json")))
     rec = model.platform
@@ -150,3 +153,5 @@ def test_adapter_programs_are_sync_free(mode):
         eng.close()
     found = {name: audit(t) for name, t in texts.items()}
     assert found == {name: [] for name in texts}, found
+    if cfg.text.moe is not None:   # the prefix's expert adapters: chunks, a known trip
+        assert '"known_trip_count"' in texts["image_kv"]

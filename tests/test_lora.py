@@ -264,7 +264,7 @@ BAD = {
                                               "text.blocks.5.mlp.fc1.B":
                                               t["text.blocks.0.mlp.fc1.B"]}), "layer 5"),
     "unknown_key": (lambda t: t.update({"vision.blocks.0.attn.qkv.A":
-                                        t["text.blocks.0.attn.qkv.A"]}), "not a Moondream 2"),
+                                        t["text.blocks.0.attn.qkv.A"]}), "not a Moondream text adapter"),
     "missing_B": (lambda t: t.pop("text.blocks.1.mlp.fc2.B"), "needs both A and B"),
     "nan": (lambda t: t["text.blocks.0.attn.proj.B"].__setitem__((0, 0), float("nan")),
             "NaN"),

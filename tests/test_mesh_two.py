@@ -32,9 +32,12 @@ def test_lora_adapters_over_2_devices_equal_one_device(two):
 
 def test_every_moe_schedule_with_experts_split_over_2_devices_equals_one_device(two):
     """Each chip gets every assignment, those of the other chip's experts as an id past
-    its own (left out of ragged_dot's and megablox's groups: no work for them)."""
-    assert two["variants"]["moe"] == dict.fromkeys(
-        ("dense", "gather", "blocks", "ragged", "megablox-interpret"), True)
+    its own (left out of ragged_dot's and megablox's groups: no work for them).  With
+    per-expert LoRA adapters (Moondream 3's) too: each assignment's up delta goes to the
+    chip of its expert, the activations come back from it."""
+    hows = ("dense", "gather", "blocks", "ragged", "megablox-interpret")
+    assert two["variants"]["moe"] == dict.fromkeys(hows + tuple(h + "+lora" for h in hows),
+                                                   True)
 
 
 def test_the_tpu_kernel_split_by_kv_heads_over_2_devices_equals_one_device(two):

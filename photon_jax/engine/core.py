@@ -109,8 +109,8 @@ class Engine:
         if not isinstance(max_lora_rank, int) or isinstance(max_lora_rank, bool) or \
                 not 1 <= max_lora_rank <= 512:
             raise ValueError(f"max_lora_rank must be an int in [1, 512], got {max_lora_rank!r}")
-        if max_adapters and lora.supported(cfg) is not None:
-            raise ValueError(f"max_adapters={max_adapters}: {lora.supported(cfg)}")
+        if max_adapters and lora.supported(cfg, max_lora_rank) is not None:
+            raise ValueError(f"max_adapters={max_adapters}: {lora.supported(cfg, max_lora_rank)}")
         # The LoRA adapters requests may name (name -> `convert.adapters.Adapter`; the face
         # that loads them shares this dict) and the slots that hold them on the device.
         self.max_adapters, self.max_lora_rank = max_adapters, max_lora_rank

@@ -20,9 +20,23 @@ same sums, chosen per platform (`MODES`):
 
 Slot tables are an argument of the programs, never a constant in them: loading an adapter
 writes its slot (`write_slot`, a device write outside the step) and retraces nothing.
+
+Moondream 3's finetunes are laid out as Moondream's own engine lays them out (kestrel 0.9.2,
+`models/moondream/lora.py`, `lora_workspace.py`, and kestrel_kernels' MoE LoRA path): no
+attention adapters; the dense MLP of each of the first `start_layer` layers adapted as
+above (fc1 "up", fc2 "down", at the adapter's rank r); and per-expert adapters on every
+mixture-of-experts layer, the rank split over the k active experts (r / k per expert):
+for a token routed to expert e, `up` adds B_up[e](A_up[e] x) to the expert's gate/up output
+(2I wide, before the activation) and `down` adds B_down[e](A_down[e] a) to its output
+(before the routing weight), so each expert computes as if its weights were
+W + B A -- the merged finetune.  The expert tables, `up` {A [S, E, r/k, D],
+B [S, E, 2I, r/k]} and `down` {A [S, E, r/k, I], B [S, E, D, r/k]}, are read per
+(token, expert) assignment (`expert_delta`), whatever the MoE schedule.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +45,11 @@ from ..base.dtypes import F32, jnp_dtype, matmul_precision
 from .config import MoondreamConfig
 
 TARGETS = ("qkv", "proj", "fc1", "fc2")
+EXPERT_TARGETS = ("up", "down")
 MODES = ("gather", "masked")
+# Assignments (token, expert) per gathered chunk of the expert adapters: a prefill's
+# thousands of assignments would otherwise gather each one's A and B at once.
+EXPERT_CHUNK = 512
 
 
 def target_dims(cfg: MoondreamConfig) -> dict:
@@ -41,28 +59,52 @@ def target_dims(cfg: MoondreamConfig) -> dict:
             "fc1": (t.dim, t.ff_dim), "fc2": (t.ff_dim, t.dim)}
 
 
-def supported(cfg: MoondreamConfig) -> str | None:
-    """None if adapters in the reference's layout fit this model, else why not."""
-    if cfg.text.n_moe:
-        return ("Moondream 3's adapters (per-expert, kestrel's layout) are not supported yet; "
-                "only Moondream 2's dense adapters are")
+def expert_rank(cfg: MoondreamConfig, rank: int) -> int:
+    """Per-expert rank of an adapter of total rank `rank` (kestrel: rank / k)."""
+    return rank // cfg.text.moe.experts_per_token if cfg.text.moe else 0
+
+
+def layout(cfg: MoondreamConfig, rank: int) -> list:
+    """Per text layer, target -> (A shape, B shape) of one adapter of rank `rank` (no slot
+    axis): Moondream 2's four targets per block; Moondream 3's fc1 / fc2 on its dense
+    layers and `up` / `down` per expert on its mixture-of-experts layers."""
+    t = cfg.text
+    dims = target_dims(cfg)
+    dense = TARGETS if t.moe is None else ("fc1", "fc2")
+    out = [{n: ((rank, dims[n][0]), (dims[n][1], rank)) for n in dense}
+           for _ in range(t.n_dense)]
+    if t.n_moe:
+        e, inner, re = t.moe.num_experts, t.moe.expert_inner_dim, expert_rank(cfg, rank)
+        moe = {"up": ((e, re, t.dim), (e, 2 * inner, re)),
+               "down": ((e, re, inner), (e, t.dim, re))}
+        out += [dict(moe) for _ in range(t.n_moe)]
+    return out
+
+
+def supported(cfg: MoondreamConfig, rank: int | None = None) -> str | None:
+    """None if adapter slots of total rank `rank` fit this model, else why not."""
+    moe = cfg.text.moe
+    if moe is not None and rank is not None and rank < moe.experts_per_token:
+        return (f"max_lora_rank {rank} is below Moondream 3's {moe.experts_per_token} "
+                "experts per token: an adapter's rank is split over the active experts "
+                f"(rank / {moe.experts_per_token} each); raise max_lora_rank")
     return None
 
 
 def init_tables(cfg: MoondreamConfig, slots: int, rank: int, dtype=None) -> list:
-    """Zeroed slot tables: one dict per text layer, target -> {"A": [S, rank, in],
-    "B": [S, out, rank]} with S = slots + 1 (slot 0 = no adapter)."""
+    """Zeroed slot tables: one dict per text layer, target -> {"A": [S, *A], "B": [S, *B]}
+    (`layout`) with S = slots + 1 (slot 0 = no adapter)."""
     dt = jnp_dtype(dtype or cfg.dtype)
-    dims = target_dims(cfg)
-    return [{t: {"A": jnp.zeros((slots + 1, rank, i), dt), "B": jnp.zeros((slots + 1, o, rank), dt)}
-             for t, (i, o) in dims.items()} for _ in range(cfg.text.n_layers)]
+    return [{n: {"A": jnp.zeros((slots + 1,) + a, dt), "B": jnp.zeros((slots + 1,) + b, dt)}
+             for n, (a, b) in layer.items()} for layer in layout(cfg, rank)]
 
 
 def table_bytes(cfg: MoondreamConfig, slots: int, rank: int, dtype=None) -> int:
     """Device bytes of `init_tables`."""
     size = jnp.dtype(jnp_dtype(dtype or cfg.dtype)).itemsize
-    per_layer = sum(i + o for i, o in target_dims(cfg).values()) * rank * (slots + 1)
-    return per_layer * cfg.text.n_layers * size
+    count = sum(math.prod(a) + math.prod(b) for layer in layout(cfg, rank)
+                for a, b in layer.values())
+    return count * (slots + 1) * size
 
 
 def write_slot(tables: list, slot, adapter: list) -> list:
@@ -102,6 +144,44 @@ def delta(x_RTI, ab, slot_R, mode: str = "gather"):
                       preferred_element_type=F32).astype(dt)
 
 
+def expert_delta(x, ab, slot_N, ids_NK):
+    """Each (token, expert) assignment's adapter product B[s, e](A[s, e] x) -> [N, k, out]
+    in x's dtype: `x` [N, in] (the token's input, for `up`) or [N, k, in] (the assignment's
+    activation, for `down`), `ab` one layer's expert tables {"A": [S, E, r, in], "B": [S,
+    E, out, r]}, `slot_N` each token's slot, `ids_NK` its experts.  Each assignment's A and
+    B are gathered (a chunk of EXPERT_CHUNK assignments at a time, in a loop of static trip
+    count), so the bytes read follow the assignments, not the slots times the experts."""
+    a_tab, b_tab = ab["A"], ab["B"]
+    n, k = ids_NK.shape
+    dt = x.dtype
+    prec = matmul_precision(dt)
+    x_AI = jnp.broadcast_to(x[:, None], (n, k, x.shape[-1])) if x.ndim == 2 else x
+    x_AI = x_AI.reshape(n * k, -1)
+    slot_A = jnp.broadcast_to(slot_N[:, None], (n, k)).reshape(-1)
+    ids_A = ids_NK.reshape(-1)
+    # An id past the table (another chip's expert, `sharding.TensorParallel.experts`) is
+    # read as the last expert; the caller drops that assignment.
+    ids_A = jnp.minimum(ids_A, a_tab.shape[1] - 1)
+
+    def chunk(args):
+        xc, sc, ec = args
+        u = jnp.einsum("ai,ari->ar", xc, a_tab[sc, ec].astype(dt), precision=prec,
+                       preferred_element_type=F32).astype(dt)
+        return jnp.einsum("ar,aor->ao", u, b_tab[sc, ec].astype(dt), precision=prec,
+                          preferred_element_type=F32).astype(dt)
+
+    total = n * k
+    if total <= EXPERT_CHUNK:
+        out = chunk((x_AI, slot_A, ids_A))
+    else:
+        c = -(-total // EXPERT_CHUNK)
+        pad = c * EXPERT_CHUNK - total
+        parts = [jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1)).reshape(
+            c, EXPERT_CHUNK, *v.shape[1:]) for v in (x_AI, slot_A, ids_A)]
+        out = jax.lax.map(chunk, tuple(parts)).reshape(c * EXPERT_CHUNK, -1)[:total]
+    return out.reshape(n, k, -1)
+
+
 class Rows:
     """What `text.forward` needs to apply adapters: the slot tables (one dict per layer),
     each row's slot id [R] and the formulation.  A plain holder, made inside a program."""
@@ -111,8 +191,17 @@ class Rows:
         self.tables, self.slot_R, self.mode = tables, slot_R, mode
 
     def add(self, li: int, target: str, x_RTI, y):
-        """y + B(A(x)) for layer `li`'s `target`, in the reference's order (base first)."""
-        return y + delta(x_RTI, self.tables[li][target], self.slot_R, self.mode)
+        """y + B(A(x)) for layer `li`'s `target`, in the reference's order (base first); y
+        itself where the layer's adapters leave that target alone (Moondream 3's
+        attention)."""
+        ab = self.tables[li].get(target)
+        if ab is None:
+            return y
+        return y + delta(x_RTI, ab, self.slot_R, self.mode)
+
+    def experts(self, li: int, t: int):
+        """(layer `li`'s expert tables, each token's slot [R * t]) for `moe.moe_mlp`."""
+        return self.tables[li], jnp.repeat(self.slot_R, t)
 
 
 def default_mode(attention: str) -> str:

@@ -42,6 +42,12 @@ Schedules, chosen from static shapes (`schedule`):
   as id E; the grouped schedules count them in no group (no work), the others compute them
   as expert E-1 and the caller drops them.
 
+- LoRA adapters on the experts (`lora`, Moondream 3's finetunes): each schedule takes the
+  adapters' up deltas per (token, expert) assignment ([N, k, 2I], computed outside it by
+  `lora.expert_delta`), adds them to its up products before the activation, and hands back
+  the activations ([N, k, I]) so the down adapters are applied outside it too: one place
+  for the adapters' products, whatever the schedule.
+
 `bench/moe.py` measures every schedule (ms and bytes accessed) at 1, 8, 32 and 746 tokens.
 `dense_reference` is `dense` by another name, kept as the tests' formula.
 """
@@ -54,7 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from ..base.dtypes import F32, matmul_precision
-from . import quant
+from . import lora as lora_, quant
 from .layers import linear
 
 MAX_BLOCK = 64
@@ -107,8 +113,9 @@ def schedule(n_tokens: int, n_experts: int, k: int, grouped: str = "blocks") -> 
     return "dense" if 3 * distinct >= n_experts else (few or "gather")
 
 
-def _experts(x_ND, fc1_EDF, fc2_EFD):
-    """[E, N, D]: every given expert applied to every token.
+def _experts(x_ND, fc1_EDF, fc2_EFD, du_ENF=None):
+    """[E, N, D]: every given expert applied to every token; with `du_ENF` (adapter up
+    deltas, added before the activation), ([E, N, D], the activations [E, N, I]).
 
     Written as a product batched over experts ([E, N, D] x [E, D, F]), the layout a batched
     matmul reads as it lies: contracting x [N, D] with the stack's middle axis directly makes
@@ -119,9 +126,13 @@ def _experts(x_ND, fc1_EDF, fc2_EFD):
     x_END = jnp.broadcast_to(x_ND[None], (fc1_EDF.shape[0],) + x_ND.shape)
     h = jnp.einsum("end,edf->enf", x_END, fc1_EDF, precision=prec,
                    preferred_element_type=F32).astype(x_ND.dtype)
-    a, fc2_EFD = _widen(_activation(h, quant.logical_shape(fc2_EFD)[1]), fc2_EFD)
-    return jnp.einsum("enf,efd->end", a, fc2_EFD,
-                      precision=prec, preferred_element_type=F32).astype(x_ND.dtype)
+    if du_ENF is not None:
+        h = h + du_ENF
+    act = _activation(h, quant.logical_shape(fc2_EFD)[1])
+    a, fc2_EFD = _widen(act, fc2_EFD)
+    y = jnp.einsum("enf,efd->end", a, fc2_EFD,
+                   precision=prec, preferred_element_type=F32).astype(x_ND.dtype)
+    return y if du_ENF is None else (y, act)
 
 
 def _pick(y_END, slot_NK):
@@ -143,11 +154,27 @@ def _inner(p) -> int:
     return quant.logical_shape(p["fc2"])[1]
 
 
-def _dense(p, x_ND, ids_NK):
-    return _pick(_experts(x_ND, p["fc1"], p["fc2"]), ids_NK)
+def _spread(du_NKF, pos_NK, slots: int):
+    """Assignment deltas [N, k, F] laid out per computed slot: [slots, N, F] (a slot no
+    assignment of the token uses gets zeros; its output is never picked)."""
+    n = du_NKF.shape[0]
+    return jnp.zeros((slots, n, du_NKF.shape[-1]), du_NKF.dtype).at[
+        pos_NK, jnp.arange(n)[:, None]].add(du_NKF)
 
 
-def _gather(p, x_ND, ids_NK):
+def _picked(out, pos_NK):
+    """`_experts`' result picked per assignment: y, or (y, activations) with deltas."""
+    if isinstance(out, tuple):
+        return tuple(_pick(o, pos_NK) for o in out)
+    return _pick(out, pos_NK)
+
+
+def _dense(p, x_ND, ids_NK, du=None):
+    du_ENF = None if du is None else _spread(du, ids_NK, n_experts(p))
+    return _picked(_experts(x_ND, p["fc1"], p["fc2"], du_ENF), ids_NK)
+
+
+def _gather(p, x_ND, ids_NK, du=None):
     n, k = ids_NK.shape
     e = n_experts(p)
     u = min(e, n * k)
@@ -155,8 +182,10 @@ def _gather(p, x_ND, ids_NK):
     # the real entries; the padding slots compute expert E-1 again and are never picked.
     uniq = jnp.unique(ids_NK.reshape(-1), size=u, fill_value=e)
     safe = jnp.minimum(uniq, e - 1)
-    return _pick(_experts(x_ND, quant.take(p["fc1"], safe), quant.take(p["fc2"], safe)),
-                 jnp.searchsorted(uniq, ids_NK))
+    pos = jnp.searchsorted(uniq, ids_NK)
+    du_UNF = None if du is None else _spread(du, pos, u)
+    return _picked(_experts(x_ND, quant.take(p["fc1"], safe), quant.take(p["fc2"], safe),
+                            du_UNF), pos)
 
 
 def _sorted_assignments(ids_NK, e: int, block: int):
@@ -181,7 +210,12 @@ def _sorted_assignments(ids_NK, e: int, block: int):
     return order, dest, block_expert, counts, n_blocks
 
 
-def _blocks(p, x_ND, ids_NK, unroll: bool = False):
+def _unsort(v_sorted, order, n: int, k: int):
+    """Rows in sorted-assignment order back to [N, k, ...]."""
+    return jnp.zeros_like(v_sorted).at[order].set(v_sorted).reshape(n, k, -1)
+
+
+def _blocks(p, x_ND, ids_NK, unroll: bool = False, du=None):
     n, k = ids_NK.shape
     e, d = n_experts(p), x_ND.shape[1]
     prec = matmul_precision(x_ND.dtype)
@@ -190,23 +224,33 @@ def _blocks(p, x_ND, ids_NK, unroll: bool = False):
     order, dest, block_expert, _, n_blocks = _sorted_assignments(ids_NK, e, block)
     rows = n_blocks * block
     xs = jnp.zeros((rows, d), x_ND.dtype).at[dest].set(x_ND[order // k])
+    dus = None if du is None else jnp.zeros((rows, du.shape[-1]), du.dtype).at[dest].set(
+        du.reshape(n * k, -1)[order])
 
-    def body(i, y):
+    def body(i, carry):
+        y, acts = carry
         ex = block_expert[i]
         xb = jax.lax.dynamic_slice_in_dim(xs, i * block, block)
         xb, w1 = _widen(xb, quant.take(p["fc1"], ex))
         h = jnp.einsum("bd,df->bf", xb, w1, precision=prec,
                        preferred_element_type=F32).astype(x_ND.dtype)
-        a, w2 = _widen(_activation(h, inner), quant.take(p["fc2"], ex))
+        if dus is not None:
+            h = h + jax.lax.dynamic_slice_in_dim(dus, i * block, block)
+        act = _activation(h, inner)
+        a, w2 = _widen(act, quant.take(p["fc2"], ex))
         yb = jnp.einsum("bf,fd->bd", a, w2, precision=prec,
                         preferred_element_type=F32).astype(x_ND.dtype)
-        return jax.lax.dynamic_update_slice_in_dim(y, yb, i * block, 0)
+        if acts is not None:
+            acts = jax.lax.dynamic_update_slice_in_dim(acts, act, i * block, 0)
+        return jax.lax.dynamic_update_slice_in_dim(y, yb, i * block, 0), acts
 
     # A static trip count: blocks past the used ones apply the last expert to zero rows
     # nobody reads.
-    y = jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((rows, d), x_ND.dtype), unroll=unroll)
-    y_sorted = y[dest]
-    return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
+    acts0 = None if du is None else jnp.zeros((rows, inner), x_ND.dtype)
+    y, acts = jax.lax.fori_loop(0, n_blocks, body,
+                                (jnp.zeros((rows, d), x_ND.dtype), acts0), unroll=unroll)
+    y = _unsort(y[dest], order, n, k)
+    return y if du is None else (y, _unsort(acts[dest], order, n, k))
 
 
 def _grouped_rows(ids_NK, e: int):
@@ -218,7 +262,7 @@ def _grouped_rows(ids_NK, e: int):
     return order, jnp.zeros(e, jnp.int32).at[flat].add(1, mode="drop")
 
 
-def _ragged(p, x_ND, ids_NK):
+def _ragged(p, x_ND, ids_NK, du=None):
     n, k = ids_NK.shape
     e = n_experts(p)
     prec = matmul_precision(x_ND.dtype)
@@ -228,10 +272,14 @@ def _ragged(p, x_ND, ids_NK):
     xs, fc1 = _widen(x_ND[order // k], p["fc1"])
     h = jax.lax.ragged_dot(xs, fc1, counts, precision=prec,
                            preferred_element_type=F32).astype(x_ND.dtype)
-    a, fc2 = _widen(_activation(h, _inner(p)), p["fc2"])
+    if du is not None:
+        h = h + du.reshape(n * k, -1)[order]
+    act = _activation(h, _inner(p))
+    a, fc2 = _widen(act, p["fc2"])
     y = jax.lax.ragged_dot(a, fc2, counts,
                            precision=prec, preferred_element_type=F32).astype(x_ND.dtype)
-    return jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
+    y = _unsort(y, order, n, k)
+    return y if du is None else (y, _unsort(act, order, n, k))
 
 
 def megablox_tile_rows(n_assign: int, n_experts: int) -> int:
@@ -248,7 +296,7 @@ def megablox_tile_rows(n_assign: int, n_experts: int) -> int:
     return t
 
 
-def _megablox(p, x_ND, ids_NK, interpret: bool = False):
+def _megablox(p, x_ND, ids_NK, interpret: bool = False, du=None):
     """The grouped product as JAX's Pallas TPU grouped matmul (`megablox.gmm`): its grid
     visits only the row tiles that hold assignments (a dynamic count), so rows of no group
     cost nothing.  Rows are padded to whole tiles; `interpret` runs it on any backend."""
@@ -270,8 +318,12 @@ def _megablox(p, x_ND, ids_NK, interpret: bool = False):
                    interpret=interpret).astype(x_ND.dtype)
 
     h = product(*_widen(xs, p["fc1"]))
-    y = product(*_widen(_activation(h, _inner(p)), p["fc2"]))[:a]
-    return jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
+    if du is not None:
+        h = h + jnp.zeros((rows, du.shape[-1]), du.dtype).at[:a].set(
+            du.reshape(a, -1)[order])
+    act = _activation(h, _inner(p))
+    y = _unsort(product(*_widen(act, p["fc2"]))[:a], order, n, k)
+    return y if du is None else (y, _unsort(act[:a], order, n, k))
 
 
 _APPLY = {"dense": _dense, "gather": _gather, "blocks": _blocks, "ragged": _ragged,
@@ -281,12 +333,14 @@ GROUPED = ("ragged", "megablox", "megablox-interpret")
 
 
 def moe_mlp(p, x_TD, k: int, with_routes: bool = False, grouped: str = "blocks",
-            schedule_: str | None = None, unroll: bool = False, tp=None):
+            schedule_: str | None = None, unroll: bool = False, tp=None, lora=None):
     """The mixture-of-experts MLP on [..., D] inputs; `with_routes` also returns the routing
     (ids, weights), each [..., k].  `grouped`: the platform's schedules (`schedule`,
     `platforms.default_grouped`); `schedule_` forces one (tests, benchmarks); `unroll` unrolls the block
     loop (so XLA's cost analysis, which counts a loop body once, sees every block).  `tp`:
-    experts split over a mesh (`sharding.TensorParallel.experts`; None: one device)."""
+    experts split over a mesh (`sharding.TensorParallel.experts`; None: one device).
+    `lora`: (this layer's expert adapter tables, each token's slot [N]) -- `lora.Rows.
+    experts`; None: no adapters."""
     lead, d = x_TD.shape[:-1], x_TD.shape[-1]
     x = x_TD.reshape(-1, d)
     ids, w = route(p, x, k)
@@ -298,14 +352,24 @@ def moe_mlp(p, x_TD, k: int, with_routes: bool = False, grouped: str = "blocks",
         # chip).  The block loop reads each selected expert's codes where they lie, widened
         # inside its product.
         how = "blocks"
-    def apply(w, x, ids):
+    def apply(w, x, ids, *du):
         if how not in GROUPED:   # another chip's expert computed as any (the caller drops it)
+            if du:   # ... and adds no delta to this chip's expert it is computed as
+                du = (jnp.where((ids < n_experts(w))[..., None], du[0],
+                                jnp.zeros((), du[0].dtype)),)
             ids = jnp.minimum(ids, n_experts(w) - 1)
+        kw = {"du": du[0]} if du else {}
         if how == "blocks":
-            return _blocks(w, x, ids, unroll)
-        return _APPLY[how](w, x, ids)
+            return _blocks(w, x, ids, unroll, **kw)
+        return _APPLY[how](w, x, ids, **kw)
 
-    y = apply(p, x, ids) if tp is None else tp.experts(apply, p, x, ids)
+    if lora is None:
+        y = apply(p, x, ids) if tp is None else tp.experts(apply, p, x, ids)
+    else:
+        tables, slot_N = lora
+        du = lora_.expert_delta(x, tables["up"], slot_N, ids)
+        y, act = apply(p, x, ids, du) if tp is None else tp.experts(apply, p, x, ids, du)
+        y = y + lora_.expert_delta(act, tables["down"], slot_N, ids)
     out = _mix(y, w, x.dtype).reshape(*lead, d)
     if with_routes:
         return out, (ids.reshape(*lead, k), w.reshape(*lead, k))

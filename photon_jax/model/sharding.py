@@ -198,25 +198,27 @@ class TensorParallel:
             return jax.lax.with_sharding_constraint(y, self.replicated)
         return apply
 
-    def experts(self, apply, p, x_ND, ids_NK):
-        """`apply(p, x, ids)` -> [N, k, D] over this chip's experts only, combined: each
-        (token, expert) product comes from the one chip holding the expert, the others add
-        zeros (`psum`, exact)."""
+    def experts(self, apply, p, x_ND, ids_NK, *extra):
+        """`apply(p, x, ids, *extra)` -> [N, k, D] (or a tuple of [N, k, ...]) over this
+        chip's experts only, combined: each (token, expert) product comes from the one chip
+        holding the expert, the others add zeros (`psum`, exact).  `extra`: per-assignment
+        inputs [N, k, ...] (the adapters' up deltas), replicated."""
         e = quant.logical_shape(p["fc1"])[0]
         if local_experts(e, self.n) == e:
-            return apply(p, x_ND, ids_NK)
+            return apply(p, x_ND, ids_NK, *extra)
 
-        def local(w, x, ids):
+        def local(w, x, ids, *more):
             e_local = quant.logical_shape(w["fc1"])[0]
             lid = ids - jax.lax.axis_index(AXIS) * e_local
             mine = (lid >= 0) & (lid < e_local)
             # Other chips' experts as id e_local: a grouped schedule leaves them out.
-            y = apply(w, x, jnp.where(mine, lid, e_local))
-            return jax.lax.psum(jnp.where(mine[..., None], y, jnp.zeros((), y.dtype)), AXIS)
+            out = apply(w, x, jnp.where(mine, lid, e_local), *more)
+            return jax.tree.map(lambda y: jax.lax.psum(
+                jnp.where(mine[..., None], y, jnp.zeros((), y.dtype)), AXIS), out)
 
         w = {"fc1": p["fc1"], "fc2": p["fc2"]}
-        return self._map(local, ({"fc1": P(AXIS), "fc2": P(AXIS)}, P(), P()), P())(
-            w, x_ND, ids_NK)
+        return self._map(local, ({"fc1": P(AXIS), "fc2": P(AXIS)}, P(), P())
+                         + (P(),) * len(extra), P())(w, x_ND, ids_NK, *extra)
 
     def on_heads(self, fn, n_kv_heads: int, arrays, heads, rest):
         """`fn(arrays, heads, rest)` on each chip's kv heads: `arrays` (pool arrays, leading

@@ -190,7 +190,8 @@ def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "bloc
     a mesh (`sharding.TensorParallel`; None: one device): dense layers by output columns,
     experts by expert (a pool access carries its own `tp` for the attention).  `lora`: each
     row's adapter (`lora.Rows`; None: no adapters), added to qkv, proj, fc1 and fc2 of
-    the dense blocks where the reference adds them.
+    the dense blocks where the reference adds them (Moondream 3: fc1 and fc2 of its dense
+    blocks and every expert, as kestrel adds them).
     """
     if tp is not None:
         dense = tp.dense(dense)
@@ -221,7 +222,8 @@ def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "bloc
         x = x + o
         if kind == "moe":
             m, rt = moe.moe_mlp(p["moe"], h, cfg.moe.experts_per_token, with_routes=True,
-                                grouped=grouped, tp=tp)
+                                grouped=grouped, tp=tp,
+                                lora=None if lora is None else lora.experts(li, t))
             routes.append(rt)
         elif lora is not None:
             g = gelu_tanh(lora.add(li, "fc1", h, dense(h, p["fc1"])))
