@@ -19,6 +19,8 @@ from helpers import HERE, LAND, SQ, write_safetensors
 from photon_jax import Moondream
 from photon_jax.convert.adapters import AdapterError, read_adapter
 from photon_jax.engine.core import Engine
+from photon_jax.engine.request import Request
+from photon_jax.engine.settings import Settings
 from photon_jax.model import Model, lora, moe, quant
 
 ADAPTER_DIR = os.path.join(HERE, "fixtures", "lora_md3", "ft-md3@1")
@@ -129,36 +131,44 @@ def _outs(md, variant):
             md.query(None, "w7 w8 w9", reasoning=False, settings=s)["answer"]]
 
 
+@pytest.fixture(scope="module")
+def merged_outs(md3_ckpt, drawn):
+    """The merged model's outputs, without an adapter (computed once for both tests)."""
+    mm = merged_model(Model.load(md3_ckpt), drawn)
+    merged = Moondream(mm, Engine(mm, max_batch_size=4))
+    try:
+        return _outs(merged, None)
+    finally:
+        merged.close()
+
+
 @pytest.mark.parametrize("pipelined", [True, False])
-def test_the_engine_with_the_adapter_gives_the_merged_models_tokens(md3_ckpt, drawn,
+def test_the_engine_with_the_adapter_gives_the_merged_models_tokens(md3_ckpt, merged_outs,
                                                                     pipelined):
     """Captions and queries (an image prefix and text only) under the adapter equal the
     merged model's without one, pipelined and blocking, with base rows beside them in the
     same batches; the adapter changes every one of them."""
+    want = merged_outs
     base = Model.load(md3_ckpt)   # its own: closing a Moondream frees its model's weights
-    mm = merged_model(base, drawn)
-    merged = Moondream(mm, Engine(mm, max_batch_size=4))
-    try:
-        want = _outs(merged, None)
-    finally:
-        merged.close()
     md = Moondream(base, Engine(base, max_batch_size=4, pipelined=pipelined, max_adapters=2,
                                 max_lora_rank=8,
                                 adapters={"ft": read_adapter(FINAL_PT, base.cfg, name="ft",
                                                              max_rank=8)}))
     try:
         plain = _outs(md, None)
-        # Both at once: adapted and base rows in the same steps.
-        s = dict(GREEDY, variant="ft")
-        mixed = md.caption([LAND, LAND, SQ], "short", settings=s)
         got = _outs(md, "ft")
-        again = _outs(md, None)
+        # Adapted and base rows submitted together: they share the engine's steps.
+        p = base.prompts
+        mixed = md.engine.submit_many([
+            Request("text", p.caption("short"), LAND, Settings(**GREEDY, variant=v))
+            for v in ("ft", None, "ft", None)])
+        mixed = [h.result()["text"] for h in mixed]
     finally:
         md.close()
     assert got == want
-    assert [r["caption"] for r in mixed][:2] == [want[0]] * 2
-    assert all(g != p for g, p in zip(got, plain))
-    assert again == plain   # the adapter's prefixes were cached apart from the base's
+    assert all(g != q for g, q in zip(got, plain))
+    # the adapter's image prefix was cached apart from the base's
+    assert mixed == [want[0], plain[0]] * 2
 
 
 def _kestrel_tensors(drawn, prefix="text_lora."):
