@@ -213,10 +213,10 @@ def child(args) -> None:
     kv_dtypes = args.kv_dtype or [None]
     for config in args.config:
         if args.weights:
-            models = [build_model(config, kv_dtype=kv_dtypes[0], weights=w)
+            models = [build_model(config, kv_dtype=kv_dtypes[0], weights=w, dtype=args.dtype)
                       for w in args.weights]
         else:
-            models = [build_model(config, kv_dtype=kv) for kv in kv_dtypes]
+            models = [build_model(config, kv_dtype=kv, dtype=args.dtype) for kv in kv_dtypes]
         for batch in args.batch:
             for model in models:
                 emit(measure(model, config, batch, args.steps, args.mode, args.reps))
@@ -306,6 +306,10 @@ def main(argv=None) -> int:
                     help="the same random weights in each of these formats (float32: as "
                          "drawn; int8 / fp8 / int4: quantized, `model.quant`), side by side "
                          "as --kv-dtype's formats are")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                    help="the models' dtype for the --kv-dtype / --weights loops (default: "
+                         "the config's; md2 and md3 are bfloat16, and the CPU kernels take "
+                         "float32 models only)")
     ap.add_argument("--side-reps", type=int, default=7,
                     help="rounds of the side-by-side ceiling runs (several --kv-dtype)")
     ap.add_argument("--mode", help=argparse.SUPPRESS)   # set in the child process
@@ -340,6 +344,8 @@ def main(argv=None) -> int:
             cmd += ["--kv-dtype", *args.kv_dtype, "--side-reps", str(args.side_reps)]
         if args.weights:
             cmd += ["--weights", *args.weights, "--side-reps", str(args.side_reps)]
+        if args.dtype:
+            cmd += ["--dtype", args.dtype]
         if args.host_work:
             cmd += ["--host-work", *map(str, args.host_work)]
         # The zombie tax is a property of the schedule, not of where XLA runs: one mode.
