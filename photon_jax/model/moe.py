@@ -113,9 +113,10 @@ def schedule(n_tokens: int, n_experts: int, k: int, grouped: str = "blocks") -> 
     return "dense" if 3 * distinct >= n_experts else (few or "gather")
 
 
-def _experts(x_ND, fc1_EDF, fc2_EFD, du_ENF=None):
-    """[E, N, D]: every given expert applied to every token; with `du_ENF` (adapter up
-    deltas, added before the activation), ([E, N, D], the activations [E, N, I]).
+def _experts(x_ND, fc1_EDF, fc2_EFD, du=None):
+    """[E, N, D]: every given expert applied to every token; with `du` = (adapter up deltas
+    [N, k, F], the computed slot of each [N, k]), the deltas added before the activation
+    and ([E, N, D], the activations [E, N, I]) returned.
 
     Written as a product batched over experts ([E, N, D] x [E, D, F]), the layout a batched
     matmul reads as it lies: contracting x [N, D] with the stack's middle axis directly makes
@@ -126,13 +127,16 @@ def _experts(x_ND, fc1_EDF, fc2_EFD, du_ENF=None):
     x_END = jnp.broadcast_to(x_ND[None], (fc1_EDF.shape[0],) + x_ND.shape)
     h = jnp.einsum("end,edf->enf", x_END, fc1_EDF, precision=prec,
                    preferred_element_type=F32).astype(x_ND.dtype)
-    if du_ENF is not None:
-        h = h + du_ENF
+    if du is not None:
+        # Added where h lies (a scatter-add into it), not through a zeroed [E, N, F] copy
+        # of the deltas, which would be h's size again.
+        du_NKF, pos_NK = du
+        h = h.at[pos_NK, jnp.arange(h.shape[1])[:, None]].add(du_NKF)
     act = _activation(h, quant.logical_shape(fc2_EFD)[1])
     a, fc2_EFD = _widen(act, fc2_EFD)
     y = jnp.einsum("enf,efd->end", a, fc2_EFD,
                    precision=prec, preferred_element_type=F32).astype(x_ND.dtype)
-    return y if du_ENF is None else (y, act)
+    return y if du is None else (y, act)
 
 
 def _pick(y_END, slot_NK):
@@ -154,14 +158,6 @@ def _inner(p) -> int:
     return quant.logical_shape(p["fc2"])[1]
 
 
-def _spread(du_NKF, pos_NK, slots: int):
-    """Assignment deltas [N, k, F] laid out per computed slot: [slots, N, F] (a slot no
-    assignment of the token uses gets zeros; its output is never picked)."""
-    n = du_NKF.shape[0]
-    return jnp.zeros((slots, n, du_NKF.shape[-1]), du_NKF.dtype).at[
-        pos_NK, jnp.arange(n)[:, None]].add(du_NKF)
-
-
 def _picked(out, pos_NK):
     """`_experts`' result picked per assignment: y, or (y, activations) with deltas."""
     if isinstance(out, tuple):
@@ -170,8 +166,8 @@ def _picked(out, pos_NK):
 
 
 def _dense(p, x_ND, ids_NK, du=None):
-    du_ENF = None if du is None else _spread(du, ids_NK, n_experts(p))
-    return _picked(_experts(x_ND, p["fc1"], p["fc2"], du_ENF), ids_NK)
+    return _picked(_experts(x_ND, p["fc1"], p["fc2"], None if du is None else (du, ids_NK)),
+                   ids_NK)
 
 
 def _gather(p, x_ND, ids_NK, du=None):
@@ -183,9 +179,8 @@ def _gather(p, x_ND, ids_NK, du=None):
     uniq = jnp.unique(ids_NK.reshape(-1), size=u, fill_value=e)
     safe = jnp.minimum(uniq, e - 1)
     pos = jnp.searchsorted(uniq, ids_NK)
-    du_UNF = None if du is None else _spread(du, pos, u)
     return _picked(_experts(x_ND, quant.take(p["fc1"], safe), quant.take(p["fc2"], safe),
-                            du_UNF), pos)
+                            None if du is None else (du, pos)), pos)
 
 
 def _sorted_assignments(ids_NK, e: int, block: int):
