@@ -84,6 +84,12 @@ def test_kestrels_checkpoint_is_read_as_kestrel_reads_it(base, drawn):
     assert not t[cfg.n_dense]["up"]["A"][:, 2:].any()
 
 
+# Compiled (the schedules' loops run op by op otherwise); the reference's compile is shared
+# by every case of a format.
+_moe = jax.jit(moe.moe_mlp, static_argnames=("k", "schedule_"))
+_merged = jax.jit(moe.dense_reference, static_argnames=("k",))
+
+
 @pytest.mark.parametrize("fmt", [None, "fp8"], ids=["float", "fp8_experts"])
 @pytest.mark.parametrize("how", ["dense", "gather", "blocks", "ragged", "megablox-interpret"])
 def test_every_moe_schedule_applies_expert_adapters_as_the_merged_experts(base, drawn, how,
@@ -110,16 +116,16 @@ def test_every_moe_schedule_applies_expert_adapters_as_the_merged_experts(base, 
     x = jnp.asarray(rng.standard_normal((3, 70, cfg.text.dim)).astype(np.float32))
     slot = jnp.repeat(jnp.asarray([1, 0, 2], jnp.int32), 70)
     k = cfg.text.moe.experts_per_token
-    got = moe.moe_mlp(p, x, k, schedule_=how, lora=(layer, slot))
+    got = _moe(p, x, k=k, schedule_=how, lora=(layer, slot))
     for row, scale in ((0, 1.0), (1, 0.0), (2, 0.5)):
         m = dict(p)
         for proj, name in (("up", "fc1"), ("down", "fc2")):
             aa, bb = drawn[f"moe.0.{proj}_a"] * scale, drawn[f"moe.0.{proj}_b"]
             m[name] = wide[name] + jnp.asarray(np.einsum("eor,eri->eio", bb, aa))
-        want = moe.dense_reference(m, x[row], k)
+        want = _merged(m, x[row], k=k)
         np.testing.assert_allclose(np.asarray(got[row]), np.asarray(want), rtol=2e-5,
                                    atol=2e-5)
-    plain = moe.moe_mlp(p, x, k, schedule_=how)
+    plain = _moe(p, x, k=k, schedule_=how)
     assert np.array_equal(np.asarray(got[1]), np.asarray(plain[1]))   # slot 0: no adapter
     assert np.abs(np.asarray(got[0]) - np.asarray(plain[0])).max() > 1e-2
 
