@@ -150,10 +150,11 @@ def merged_outs(md3_ckpt, drawn):
 
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_the_engine_with_the_adapter_gives_the_merged_models_tokens(md3_ckpt, merged_outs,
-                                                                    pipelined):
+                                                                    drawn, tmp_path, pipelined):
     """Captions and queries (an image prefix and text only) under the adapter equal the
     merged model's without one, pipelined and blocking, with base rows beside them in the
-    same batches; the adapter changes every one of them."""
+    same batches; the adapter changes every one of them.  Two more adapters loaded later
+    (one evicting another from the 2 slots) trace no program again."""
     want = merged_outs
     base = Model.load(md3_ckpt)   # its own: closing a Moondream frees its model's weights
     md = Moondream(base, Engine(base, max_batch_size=4, pipelined=pipelined, max_adapters=2,
@@ -169,8 +170,25 @@ def test_the_engine_with_the_adapter_gives_the_merged_models_tokens(md3_ckpt, me
             Request("text", p.caption("short"), LAND, Settings(**GREEDY, variant=v))
             for v in ("ft", None, "ft", None)])
         mixed = [h.result()["text"] for h in mixed]
+        # A second adapter (the same one with its A halved: another digest) into the free
+        # slot, then a third evicting the least recently used: nothing is traced again.
+        progs = md.engine.programs
+        before = {n: getattr(progs, n)._cache_size()
+                  for n in ("forward", "prefill_slot", "image_kv")}
+        for name, scale in (("half", 0.5), ("third", 0.3)):
+            t = {f"text_lora.{k}": v * scale if k.endswith("_a") else v
+                 for k, v in drawn.items()}
+            write_safetensors(tmp_path / f"{name}.safetensors", t)
+            md.load_adapter(name, tmp_path / f"{name}.safetensors")
+        others = [md.caption(LAND, "short", settings=dict(GREEDY, variant=v))["caption"]
+                  for v in ("half", "third")]
+        after = {n: getattr(progs, n)._cache_size()
+                 for n in ("forward", "prefill_slot", "image_kv")}
+        loads = md.engine.sched.adapters.loads
     finally:
         md.close()
+    assert after == before and loads == 3
+    assert len({want[0], plain[0], *others}) == 4
     assert got == want
     assert all(g != q for g, q in zip(got, plain))
     # the adapter's image prefix was cached apart from the base's
