@@ -43,7 +43,7 @@ import re
 import shutil
 import tempfile
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -77,10 +77,18 @@ class Adapter:
     layers: tuple
     digest: bytes
     cfg: MoondreamConfig
+    # padded() results by (rank, dtype): `read_adapter` fills the engine's form on the
+    # loading thread, so the scheduler thread, which writes a slot when a request first
+    # uses the adapter, does not build it (0.32 GB of float32 for Moondream 3 at rank 64).
+    _padded: dict = field(default_factory=dict, repr=False)
 
     def padded(self, rank: int, dtype) -> list:
         """The slot-table form (`lora.init_tables` without the slot axis) at total rank
-        `rank`: every target of `lora.layout`, zeros where the file adapts nothing."""
+        `rank`: every target of `lora.layout`, zeros where the file adapts nothing.
+        Built once per (rank, dtype); treat the arrays as read-only."""
+        key = (rank, np.dtype(dtype).str)
+        if key in self._padded:
+            return self._padded[key]
         out = []
         for layer, shapes in zip(self.layers, lora.layout(self.cfg, rank)):
             d = {}
@@ -92,6 +100,7 @@ class Adapter:
                     pa[..., :r, :], pb[..., :r] = a, b
                 d[t] = {"A": pa, "B": pb}
             out.append(d)
+        self._padded[key] = out
         return out
 
 
@@ -280,4 +289,6 @@ def read_adapter(path, cfg: MoondreamConfig, *, name: str, max_rank: int) -> Ada
             h.update(f"{li}.{target}".encode())
             h.update(got[1].tobytes())
         layers[li][target] = tuple(arrays)
-    return Adapter(name, max(ranks), tuple(layers), h.digest(), cfg)
+    adapter = Adapter(name, max(ranks), tuple(layers), h.digest(), cfg)
+    adapter.padded(max_rank, np.float32)   # the engine's slot form, built here (above)
+    return adapter

@@ -184,14 +184,19 @@ def _contiguous(shape: tuple, stride: tuple) -> bool:
     return True
 
 
-def _plain(v) -> bool:
-    """A value a checkpoint may carry beside its weights (a step count, a name, a config)."""
+def _plain(v, depth: int = 0) -> bool:
+    """A value a checkpoint may carry beside its weights (a step count, a name, a config),
+    at most 16 containers deep: a pickle can nest lists far deeper than Python recursion
+    allows, and such a file is refused by name like any other odd one, not with a
+    RecursionError."""
     if isinstance(v, (type(None), bool, int, float, str)):
         return True
+    if depth >= 16:
+        return False
     if isinstance(v, (list, tuple)):
-        return all(_plain(x) for x in v)
+        return all(_plain(x, depth + 1) for x in v)
     if isinstance(v, dict):
-        return all(isinstance(k, str) and _plain(x) for k, x in v.items())
+        return all(isinstance(k, str) and _plain(x, depth + 1) for k, x in v.items())
     return False
 
 

@@ -78,8 +78,12 @@ def test_kestrels_checkpoint_is_read_as_kestrel_reads_it(base, drawn):
         assert set(layer) == {"up", "down"}
         np.testing.assert_array_equal(layer["up"][1], drawn[f"moe.{j}.up_b"])
         np.testing.assert_array_equal(layer["down"][0], drawn[f"moe.{j}.down_a"])
+    # The engine's slot form (max_rank 8, float32) was built by the read, on the loading
+    # thread: the scheduler thread that writes the slot gets it ready-made.
+    assert list(a._padded) == [(8, np.dtype(np.float32).str)]
     # Padded to a larger slot rank, the expert tables take rank 8 / 2 = 4 per expert.
     t = a.padded(8, np.float32)
+    assert t is a.padded(8, np.float32)
     assert t[cfg.n_dense]["up"]["A"].shape == (cfg.moe.num_experts, 4, cfg.dim)
     assert not t[cfg.n_dense]["up"]["A"][:, 2:].any()
 

@@ -179,3 +179,27 @@ def test_other_refusals(tmp_path):
         f.write(pickle.dumps({"w": 1}, protocol=2))  # pre-1.6 torch.save starts with a pickle
     with pytest.raises(TorchZipError, match="legacy"):
         index_torch_checkpoint(path)
+
+
+def _archive(path, pkl: bytes):
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pkl)
+    return path
+
+
+def test_a_nested_state_dict_is_read_only_beside_plain_values(tmp_path):
+    """Moondream's finetune checkpoints hold their weights in `lora_state_dict`: read when
+    asked for, beside plain values; refused otherwise, or beside a value nested deeper than
+    16 containers (a pickle nests 100,000 lists without Python recursion, which a
+    recursive check would hit: RecursionError instead of a refusal by name)."""
+    ok = pickle.dumps({"lora_state_dict": {}, "step": 7, "config": {"rank": [4, 8]}}, 2)
+    assert index_torch_checkpoint(_archive(tmp_path / "ok.pt", ok),
+                                  nested=("lora_state_dict",)) == {}
+    with pytest.raises(TorchZipError, match="not a flat dict"):
+        index_torch_checkpoint(tmp_path / "ok.pt")   # without nested=: the old refusal
+    deep = 100_000   # lists pushed, then appended into each other: no recursion to build
+    pkl = (b"\x80\x02}(X\x0f\x00\x00\x00lora_state_dict}X\x04\x00\x00\x00deep"
+           + b"]" * deep + b"a" * (deep - 1) + b"u.")
+    with pytest.raises(TorchZipError, match="not a flat dict"):
+        index_torch_checkpoint(_archive(tmp_path / "deep.pt", pkl),
+                               nested=("lora_state_dict",))
