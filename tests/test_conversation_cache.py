@@ -6,6 +6,7 @@ free after close."""
 import threading
 
 import numpy as np
+import pytest
 
 from photon_jax.engine.core import Engine
 from photon_jax.engine.pages import pages_for
@@ -42,8 +43,13 @@ def _turns(eng, model):
             "fed": len(fed), "p1": len(p1), "system": rest}
 
 
-def test_follow_ups_prefill_only_their_new_tokens(tiny_ckpt):
-    model = Model.load(tiny_ckpt)
+@pytest.mark.parametrize("attention", [None, "xla"])
+def test_follow_ups_prefill_only_their_new_tokens(tiny_ckpt, attention):
+    """With the default decode attention (the CPU kernel: cached pages read in place) and
+    with the XLA sweep (each page has one owner row: cached pages copied into the
+    request's own before its prefill)."""
+    model = Model.load(tiny_ckpt, attention=attention)
+    assert model.platform.shares_prefix == (attention is None)
     runs = {}
     for name, kw in (("pipelined", {}), ("blocking", {"pipelined": False}),
                      ("no cache", {"prefix_cache": False})):
@@ -79,8 +85,10 @@ def test_follow_ups_prefill_only_their_new_tokens(tiny_ckpt):
 def test_conversations_under_pool_pressure(tiny_ckpt):
     """Six two-turn conversations over three images from two threads, in a pool with room
     for about three sequences: cached pages are evicted and recomputed as needed; every answer
-    equals the engine's without caches, and every page comes back."""
+    equals the engine's without caches, and every page comes back.  With the XLA sweep too
+    (cached pages copied, not read in place), against the same uncached answers."""
     model = Model.load(tiny_ckpt)
+    sweep = Model(model.cfg, model.params, model.prompts.tok, attention="xla")
     pr = model.prompts
     rng = np.random.default_rng(5)
     images = [LAND, SQ, os.path.join(FIXTURE_DIR, "img_photo512x600.png")]
@@ -109,23 +117,25 @@ def test_conversations_under_pool_pressure(tiny_ckpt):
             t.join()
         return out
 
-    results = {}
-    for cache in (True, False):
-        eng = Engine(model, max_batch_size=4, max_context=900, kv_cache_tokens=tokens,
+    results, stats = {}, {}
+    for name, m, cache in (("cached", model, True), ("sweep", sweep, True),
+                           ("uncached", model, False)):
+        eng = Engine(m, max_batch_size=4, max_context=900, kv_cache_tokens=tokens,
                      page_size=32, prefix_cache=cache)
         try:
-            results[cache] = run(eng)
-            if cache:
-                stats = eng.stats()
+            results[name] = run(eng)
+            stats[name] = eng.stats()
         finally:
             eng.close()
         assert eng.sched.alloc.in_use() == 0
-    assert len(results[True]) == 6
-    for k in range(6):
-        assert results[True][k][:2] == results[False][k][:2], k
-    assert any(c > model.cfg.prefix_len for _, _, c in results[True].values())
-    assert stats["conversation_cache"]["evictions"] > 0 and stats["prefix_cache"]["evictions"] > 0
-    assert stats["conversation_cache"]["hit_pages"] > 0
+    for name in ("cached", "sweep"):
+        assert len(results[name]) == 6
+        for k in range(6):
+            assert results[name][k][:2] == results["uncached"][k][:2], (name, k)
+        assert any(c > model.cfg.prefix_len for _, _, c in results[name].values())
+        st = stats[name]
+        assert st["conversation_cache"]["evictions"] > 0 and st["prefix_cache"]["evictions"] > 0
+        assert st["conversation_cache"]["hit_pages"] > 0
 
 
 def test_random_workloads_with_follow_ups_equal_the_one_request_path(tiny_ckpt):

@@ -60,9 +60,14 @@ def seq(prompt_end, budget=4, image=None, prefix=0):
     return s
 
 
-def scheduler(pages=9, rows=4, prefix_len=8, **kw):
-    return Scheduler(max_batch_size=rows, n_pages=pages, page_size=PAGE,
-                     prefix_len=prefix_len, prefill_tokens=1000, **kw)
+def scheduler(pages=9, rows=4, prefix_len=8, text_cache=None, **kw):
+    """`text_cache`: whether finished sequences' pages join the conversation cache (by
+    default only where pages are read in place: the tests that count pages of other kinds
+    run without it)."""
+    sc = Scheduler(max_batch_size=rows, n_pages=pages, page_size=PAGE,
+                   prefix_len=prefix_len, prefill_tokens=1000, **kw)
+    sc.text.enabled = kw.get("share_prefix", False) if text_cache is None else text_cache
+    return sc
 
 
 def admit(sc, *seqs, ctx=64):
@@ -351,10 +356,38 @@ def test_conversation_pages_are_kept_read_in_place_and_evicted_leaves_first():
     assert sc.alloc.in_use() == 0
 
 
-def test_conversation_cache_is_off_without_page_tables_and_skips_spatial_refs():
-    sc = scheduler(pages=40)   # the XLA sweep: prefixes are copied, not read in place
-    _run(sc, _text_seq(list(range(10, 22))), [5, 0])
-    assert not sc.text.enabled and not sc.text.pages and sc.alloc.in_use() == 0
+def test_without_page_tables_a_follow_up_gets_copies_of_the_cached_pages():
+    """The XLA sweep (one owner row per page): a follow-up's cached pages are listed as
+    (cached, own) copies into pages it owns, none read in place; at its release its copies
+    of pages already cached go back, its new full pages join the cache, and the cached pages
+    it copied are unpinned."""
+    sc = scheduler(pages=40, text_cache=True)
+    assert sc.copy_text
+    p1 = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    _run(sc, _text_seq(p1), [5, 6, 7, 0])          # 10 + 3 fed positions: 3 full pages
+    cached = {tp.key: tp.page for tp in sc.text.pages.values()}
+    assert len(cached) == 3 and sc.alloc.in_use() == 3
+    b = _text_seq(p1 + [5, 6, 7, 8, 9])            # 15 positions: 3 cached pages, 1 new
+    admit(sc, b)
+    assert launch_prefill(sc) == [b]
+    assert b.start == 3 * PAGE and sc.n_shared(b) == 0 and len(b.pages) == 4
+    assert [src for src, _ in b.text_copies] == [cached[k] for k in b.text_keys]
+    assert sorted(b.text_keys) == sorted(cached)
+    assert [dst for _, dst in b.text_copies] == b.pages[:3]
+    assert not set(b.pages) & set(cached.values())
+    assert all(sc.text.pages[k].pins == 1 for k in b.text_keys)
+    for i, t in enumerate([1, 2, 0]):              # 15 + 2 fed = 17 positions: 4 full pages
+        if i:
+            decode(sc)
+        sc.commit([b], [t], [(0, 0)], 0.0)
+    assert b not in sc.running
+    assert len(sc.text.pages) == 4 and all(tp.pins == 0 for tp in sc.text.pages.values())
+    assert sc.alloc.in_use() == 4 and sc.alloc.reserved == 0
+    sc.text.clear()
+    assert sc.alloc.in_use() == 0
+
+
+def test_the_conversation_cache_skips_spatial_refs():
     sc = scheduler(pages=40, share_prefix=True)
     s = _text_seq(list(range(10, 22)))
     s.kinds = [0] * 12   # a prompt with spatial refs: values the chain cannot name

@@ -22,7 +22,8 @@ and the pages of its whole budget (prompt + what it may generate) are free, evic
 image prefixes least-recently-used if needed; pages are assigned lowest-first as it grows
 and come back when its row does.  A request whose image is in the prefix cache reads the
 cached prefix pages in place (the kernels; the XLA sweep copies them) instead of running the
-vision encoder and the prefix prefill.
+vision encoder and the prefix prefill; so does a prompt that continues a finished sequence
+with the conversation cache's pages.
 
 Invariants the tests check: at most two steps in flight; a slot is donated again only after
 the commit that read it finished (`inflight.PipelineState`); a row and its pages are reused
@@ -643,12 +644,29 @@ class Engine:
 
     def _copy_unshared(self, s: Seq, entry) -> None:
         """The prefix pages of `entry` the request does not read in place, copied into its
-        own: all of them for the XLA sweep, the last, partial one for the kernels."""
+        own: all of them for the XLA sweep, the last, partial one for the kernels.  (With
+        the XLA sweep, a partial page the conversation cache continues is copied from there.)"""
         a, b = self.sched.n_shared(s), self.sched.prefix_pages
+        if s.text_copies:
+            b = min(b, s.prefix // self.page_size)
         if b > a:
             put = lambda x: jax.device_put(np.asarray(x, _I32), self.placement)  # noqa: E731
             self.dev.pool = self.programs.copy_pages(self.dev.pool, put(entry.pages[a:b]),
                                                      put(s.pages[a:b]))
+
+    def _copy_text(self, s: Seq) -> None:
+        """The XLA sweep's conversation-cache hit: the cached pages copied into the request's
+        own, in one program per power-of-two count (padded with page 0 onto itself: page 0
+        is the pool's dummy page, never handed out).  Dispatched before the prefill that reads
+        them and before any later program that reuses the cached pages, so the cache's pins
+        end here."""
+        n = step_mod.row_bucket(len(s.text_copies), 1 << 20)
+        pairs = np.zeros((2, n), _I32)
+        pairs[:, :len(s.text_copies)] = np.asarray(s.text_copies, _I32).T
+        put = lambda x: jax.device_put(x, self.placement)  # noqa: E731
+        self.dev.pool = self.programs.copy_pages(self.dev.pool, put(pairs[0]), put(pairs[1]))
+        self.sched.text.unpin(s.text_keys)
+        s.text_keys, s.text_copies = [], []
 
     def _launch_prefill(self, batch: list[Seq], slot: int) -> None:
         t0 = time.perf_counter()
@@ -706,6 +724,8 @@ class Engine:
                         self._write_prefix(enc, src.entry.pages)
                         self._copy_unshared(s, src.entry)
                 s.image = s.source = None   # the prefix now lives in its pages
+                if s.text_copies:
+                    self._copy_text(s)
             meta_d = put(pre)
             extra = {}
             if blocks:   # one compiled program per count bucket (1, 2, 4, ...), not layout

@@ -26,7 +26,9 @@ sequence up to that page's end.  A new request whose prompt starts the same way 
 turn of a conversation, a shared system prompt) reads those pages in place and prefills
 only the rest.  It extends the image cache: a chain starts at the first page past an image
 entry's full pages (which the entry holds), or at page 0 for text-only sequences.  Pages are
-pinned by the requests reading them and evicted least-recently-used, leaves first.
+pinned by the requests reading them and evicted least-recently-used, leaves first.  With the
+XLA sweep a hit's pages are copied into the request's own, as image prefixes are, and the
+pins end once the copy is dispatched.
 """
 
 from __future__ import annotations

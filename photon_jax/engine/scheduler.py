@@ -110,6 +110,8 @@ class Seq:
         self.shared = None        # key of the cache entry whose full prefix pages lead
                                   # `pages` (read, never written; pinned until freed)
         self.text_keys: list = []  # conversation-cache pages read after them (pinned)
+        # (cached page, own page) pairs to copy before the prefill (the XLA sweep's pool).
+        self.text_copies: list = []
         self.start = prefix       # first position the prefill computes (past cached pages)
         self.prompt_chain = None  # the prompt's full pages' hash-chain keys (computed once)
         # Image blocks inside the prompt: (first position, length, image key), and their
@@ -140,8 +142,9 @@ class Scheduler:
     prompt)`, the engine's bucketed shape; default rows x longest).  A request alone may
     exceed it (it must run somehow; the engine refuses prompts beyond its context).
     share_prefix: requests read the full pages of their image's
-    cache entry in place (decode attention through page tables: the kernels); else they
-    get copies (the XLA sweep gives each page one owner row)."""
+    cache entry and of the conversation cache in place (decode attention through page
+    tables: the kernels); else they get copies of both (the XLA sweep gives each page one
+    owner row)."""
 
     def __init__(self, *, max_batch_size: int, n_pages: int, page_size: int,
                  prefix_len: int, prefill_tokens: int, prefix_cache: bool = True,
@@ -152,8 +155,10 @@ class Scheduler:
         self.prefill_cost = prefill_cost or (lambda rows, longest: rows * longest)
         self.alloc = PageAllocator(n_pages)
         self.cache = PrefixCache(self.alloc, enabled=prefix_cache)
-        # The conversation cache reads pages in place, so only where page tables do.
-        self.text = TextCache(self.alloc, enabled=prefix_cache and share_prefix)
+        self.text = TextCache(self.alloc, enabled=prefix_cache)
+        # Where pages have one owner row (the XLA sweep), a hit's cached pages are copied
+        # into the request's own (`text_copies`) instead of read in place.
+        self.copy_text = not share_prefix
         # Generated ids fed back as values, not as tokens (coordinates, sizes): a chain of
         # token ids cannot describe their K/V, so a cached sequence ends before them.
         self.spatial_ids = frozenset(spatial_ids)
@@ -264,7 +269,8 @@ class Scheduler:
     def n_shared(self, s: Seq) -> int:
         """How many leading pages of the request it reads and does not own: its image
         entry's full pages, then its conversation-cache pages."""
-        return (self.shared_pages if s.shared is not None else 0) + len(s.text_keys)
+        return ((self.shared_pages if s.shared is not None else 0)
+                + (0 if self.copy_text else len(s.text_keys)))
 
     def evict_for(self, n_pages: int, keep: set = frozenset()) -> None:
         """Make n_pages available: conversation pages first (they hang from image entries),
@@ -302,8 +308,12 @@ class Scheduler:
         """At release: the request's own full pages of written K/V join the conversation
         cache (prompt and generated tokens; the last generated one was never fed)."""
         if (not self.text.enabled or s.skill is None or s.kinds is not None
-                or s.finish_reason == "error" or (s.prefix and s.shared is None)):
-            return   # spatial refs' values, a failure, or an image with no entry to hang from
+                or s.finish_reason == "error"
+                or (s.prefix and s.shared is None and not self.copy_text)):
+            # Spatial refs' values, a failure, or an image with no entry to hang from (with
+            # copies, every request of an image owns its prefix: the chain hangs from the
+            # image's key, and a later request finds it when the image is cached).
+            return
         fed = []
         for t in s.generated[:-1]:
             if t in self.spatial_ids:
@@ -406,7 +416,8 @@ class Scheduler:
                           self.prefill_cost(len(batch) + 1, wide) > self.prefill_tokens):
                 break
             self.text.use(text)   # pinned now: admission's evictions must not take them
-            if not self.admit_pages(s, keep, (self.shared_pages if hit else 0) + len(text)):
+            read = 0 if self.copy_text else len(text)   # cached pages read in place
+            if not self.admit_pages(s, keep, (self.shared_pages if hit else 0) + read):
                 self.text.unpin([tp.key for tp in text])
                 self.adapters.release(slot)
                 break
@@ -416,7 +427,11 @@ class Scheduler:
                 if not hit:
                     src = Source(Origin.MISS, self.cache_miss(s, keep))
                 self.share(s, src.entry, owned=not hit)
-            if text:
+            if text and self.copy_text:   # pinned until release, copied at the launch
+                s.text_copies = [(tp.page, s.pages[first + i]) for i, tp in enumerate(text)]
+                s.text_keys = [tp.key for tp in text]
+                s.start = start
+            elif text:
                 s.pages = s.pages[:first] + [tp.page for tp in text] + s.pages[first:]
                 s.text_keys = [tp.key for tp in text]
                 s.start = start
@@ -536,7 +551,7 @@ class Scheduler:
         if s.shared is not None:
             self.cache.unpin(s.shared)
         self.text.unpin(s.text_keys)
-        s.pages, s.reserved, s.shared, s.text_keys = [], 0, None, []
+        s.pages, s.reserved, s.shared, s.text_keys, s.text_copies = [], 0, None, [], []
         s.start = s.prefix
 
     def flush_outbox(self) -> None:
