@@ -505,3 +505,27 @@ def test_three_images_past_moondream_2s_context(md):
             assert got["metrics"]["input_tokens"] == 1 + len(c.ids) + 3 * (cfg.prefix_len - 1)
     finally:
         long.engine.close()
+
+
+@pytest.mark.parametrize("attention", ["pallas-interpret", "pallas-tpu-interpret"])
+def test_two_images_on_the_gpu_and_tpu_decode_kernels(md, attention):
+    """A pool written by a two-image prefill (the front image and a block in a later turn),
+    decoded by the GPU and the TPU decode kernels (interpreted): the default attention's
+    answers, greedy and sampled.  Decode attention is causal whatever the blocks, so what
+    is checked is that the kernels read such a pool (pages past the blocks, the TPU's
+    packed layout) as the default attention does."""
+    from photon_jax.engine.core import Engine
+    from photon_jax.model import Model
+
+    base = md._m
+    m = Model(base.cfg, base.params, base.prompts.tok, attention=attention)
+    convo = _convo(([LAND], "w9"), ([SQ], "w5"))
+    settings = [G, {"temperature": 1.0, "seed": 4, "max_tokens": 6}]
+    want = [md.chat(convo, reasoning=False, settings=s)["message"]["content"] for s in settings]
+    kernel = Moondream(m, Engine(m, max_batch_size=2))
+    try:
+        got = [kernel.chat(convo, reasoning=False, settings=s)["message"]["content"]
+               for s in settings]
+    finally:
+        kernel.engine.close()   # (Moondream.close would free the weights md shares)
+    assert got == want and all(got)
