@@ -7,6 +7,7 @@ Imports nothing from JAX at module level (conftest imports this before it sets J
 environment)."""
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -662,7 +663,20 @@ def check_prompt_ids(model, cases):
 # -- the model without the engine ---------------------------------------------------------
 
 def full_forward(cfg, params, x_TD, prefix):
-    """Everything in one call on a fresh cache (no cached state at all)."""
+    """Everything in one call on a fresh cache (no cached state at all).  One compiled
+    program per (config, prefix, length): run op by op, the forward compiled each of its
+    several hundred small ops (about 4 s of a test file's time)."""
+    return _jit_full_forward()(cfg, params, x_TD, prefix)
+
+
+@functools.lru_cache(maxsize=1)
+def _jit_full_forward():
+    import jax
+
+    return jax.jit(_full_forward, static_argnums=(0, 3))
+
+
+def _full_forward(cfg, params, x_TD, prefix):
     import jax.numpy as jnp
 
     from photon_jax.model import text

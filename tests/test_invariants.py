@@ -54,10 +54,12 @@ def test_prefill_then_decode_equals_full_forward(setup):
                                  np.full(1, n_prompt - 1), 1024)
     np.testing.assert_allclose(hid[0], ref[p:p + n_prompt], atol=1e-4 * np.abs(ref).max())
     p += n_prompt
-    # Decode steps feed embeddings directly through text.forward with T=1 (cached path).
+    # Decode steps feed embeddings directly through text.forward with T=1 (cached path),
+    # compiled once (op by op, each of its small ops compiled on its own).
+    forward = jax.jit(lambda pt, x, pos, cache: text.forward(
+        pt, cfg.text, x, pos, cache, text.DenseAccess(rows, pre, 1024)))
     for i in range(n_decode):
-        hid, cache, _ = text.forward(params["text"], cfg.text, x[None, p:p + 1],
-                                     np.array([[p]]), cache, text.DenseAccess(rows, pre, 1024))
+        hid, cache, _ = forward(params["text"], x[None, p:p + 1], np.array([[p]]), cache)
         np.testing.assert_allclose(hid[0, 0], ref[p], atol=1e-4 * np.abs(ref).max())
         p += 1
 

@@ -145,8 +145,12 @@ def unstack_layers(params: dict, free: bool = False) -> dict:
         n = paths[0].shape[0]
         per_layer = [[] for _ in range(n)]
         for leaf in paths:
+            # jnp.unstack: one program per leaf shape gives all n layers (indexing op by op
+            # compiles a slice and a squeeze per shape, then dispatches both n times).
+            parts = (jnp.unstack(leaf) if isinstance(leaf, jax.Array)
+                     else [leaf[i] for i in range(n)])
             for i in range(n):
-                per_layer[i].append(leaf[i])
+                per_layer[i].append(parts[i])
             if free and isinstance(leaf, jax.Array):
                 leaf.delete()
         text[group] = [jax.tree.unflatten(treedef, xs) for xs in per_layer]
