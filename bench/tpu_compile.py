@@ -390,6 +390,7 @@ def megablox_grid(n: int, e: int, k: int, chips: int, expert_bytes: int) -> dict
     skipped); over several chips, chip 0's experts (the others' rows are in no group)."""
     import importlib
 
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -403,9 +404,12 @@ def megablox_grid(n: int, e: int, k: int, chips: int, expert_bytes: int) -> dict
     counts = np.bincount(ids[ids < local], minlength=local).astype(np.int32)
     tm = moe.megablox_tile_rows(n * k, local)
     rows = -(-n * k // tm) * tm
-    _, visits = gmm.make_group_metadata(group_sizes=jnp.asarray(counts), m=rows, tm=tm,
-                                        start_group=jnp.zeros((), jnp.int32),
-                                        num_nonzero_groups=local, visit_empty_groups=False)
+    # Compiled as one program (op by op, its ~60 small ops compiled one at a time).
+    meta = jax.jit(gmm.make_group_metadata,
+                   static_argnames=("m", "tm", "num_nonzero_groups", "visit_empty_groups"))
+    _, visits = meta(group_sizes=jnp.asarray(counts), m=rows, tm=tm,
+                     start_group=jnp.zeros((), jnp.int32), num_nonzero_groups=local,
+                     visit_empty_groups=False)
     return {"tile_rows": tm, "experts_used": int((counts > 0).sum()),
             "grid_visits": int(visits), "grid_weight_bytes": int(visits) * expert_bytes}
 
