@@ -21,6 +21,7 @@ system prompt.
     python bench/conversation.py                        # small_v27, 6 turns, 200-token answers
     python bench/conversation.py --config tiny --turns 3 --answer-tokens 8 --shared 4  # smoke
     python bench/conversation.py --config md2 --dtype float32 --cache-only --shared 0
+    python bench/conversation.py --attention xla --shared 0   # the XLA sweep: cached pages copied
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ def main(argv=None) -> int:
     ap.add_argument("--system-tokens", type=int, default=200)
     ap.add_argument("--dtype", default=None, help="the model's dtype (default: the config's; "
                     "float32 for md2 on a CPU, whose dense kernel is float32)")
+    ap.add_argument("--attention", default=None,
+                    help="the decode attention (platforms.ATTENTION; default: the device's). "
+                         "xla: the XLA sweep, whose follow-ups copy the cached pages")
     ap.add_argument("--cache-only", action="store_true",
                     help="only the engine with the caches (no baseline and no same_answer: "
                          "for full-size shapes on a CPU, where the baseline's prefills of the "
@@ -137,6 +141,10 @@ def main(argv=None) -> int:
     warm = ImageOps.mirror(Image.open(IMAGE).convert("RGB"))
     ctx = model.cfg.prefix_len + args.turns * (args.answer_tokens + 16) + 64
     model = with_context(model, ctx)
+    if args.attention:
+        from photon_jax.model import Model
+
+        model = Model(model.cfg, model.params, model.prompts.tok, attention=args.attention)
     runs = {}
     settings = (True,) if args.cache_only else (False, True)
     for cache in settings:   # cache off first: it also compiles what both use
@@ -158,7 +166,7 @@ def main(argv=None) -> int:
             print(json.dumps({"kind": "conversation", "config": args.config, "cache": cache,
                               **row, "same_answer": same}), flush=True)
     summary = {"kind": "conversation_summary", "config": args.config, "turns": args.turns,
-               "answer_tokens": args.answer_tokens}
+               "answer_tokens": args.answer_tokens, "attention": model.attention}
     for cache in settings:
         rows = runs[cache]
         key = "cache" if cache else "no_cache"
