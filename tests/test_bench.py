@@ -19,7 +19,12 @@ def run(script, *args):
 
 
 def _bench_module(script):
+    """bench/<script> imported as a module; its own imports (`common`) from bench/, as when
+    it runs as a script (a test run alone has no other test to have put bench/ on the path)."""
     import importlib.util
+
+    if os.path.join(ROOT, "bench") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
 
     spec = importlib.util.spec_from_file_location(f"bench_{script[:-3]}",
                                                   os.path.join(ROOT, "bench", script))
