@@ -143,10 +143,12 @@ def kernel_rows(device, kv_dtypes=tuple(KERNEL_DTYPES)):
                 yield one(kv, page, 2048, splits, model="md2")
 
 
-def decode_args(cfg, batch: int, page: int, free: int | None, kv_cache_tokens=None) -> dict:
+def decode_args(cfg, batch: int, page: int, free: int | None, kv_cache_tokens=None,
+                adapter_bytes: int = 0) -> dict:
     """Abstract arguments (nothing allocated) of a GPU's decode-step programs for `batch`
     rows at full context: params as a loaded model holds them, the device state with the
-    pool `memory.plan` gives (one arena: the kernel's), a step's metadata, the stand-in page
+    pool `memory.plan` gives (one arena: the kernel's; `adapter_bytes`: LoRA slot tables
+    set aside first, as the engine's plan does), a step's metadata, the stand-in page
     owners the kernels take, and the sampling rows.  Also used by
     tests/test_gpu_lowering.py."""
     import jax
@@ -158,7 +160,8 @@ def decode_args(cfg, batch: int, page: int, free: int | None, kv_cache_tokens=No
 
     ctx = cfg.text.max_context
     plan = memory.plan(cfg, platform="gpu", max_batch_size=batch, max_context=ctx,
-                       page_size=page, kv_cache_tokens=kv_cache_tokens, free=free, sweep=False)
+                       page_size=page, kv_cache_tokens=kv_cache_tokens, free=free, sweep=False,
+                       adapter_bytes=adapter_bytes)
     dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes, page_size=page,
                                         max_batch_size=batch)
     return {"plan": plan, "dev": dev,
@@ -189,7 +192,9 @@ def program_rows(device, batch: int, models, weights=None, lora_slots: int = 0,
         cfg = with_weights(CONFIGS[name]().with_dtype("bfloat16"), weights)
         # What `memory.device_free` reads on a real H200: JAX's allocator takes 75% of the
         # device by default (XLA_PYTHON_CLIENT_MEM_FRACTION).
-        a = decode_args(cfg, batch, page, free=int(0.75 * H200_BYTES))
+        a = decode_args(cfg, batch, page, free=int(0.75 * H200_BYTES),
+                        adapter_bytes=lora.table_bytes(cfg, lora_slots, lora_rank)
+                        if lora_slots else 0)
         params, dev = a["params"], a["dev"]
         P = step_mod.build_for(cfg, "gpu")
         info = {"model": name, "batch": batch, "kv_cache_tokens": a["plan"].kv_cache_tokens,

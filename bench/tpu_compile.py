@@ -172,11 +172,12 @@ def compile_row(fn, args, devices, chip: str, shardings=None, **fields) -> dict:
 
 
 def serving_args(cfg, batch: int, chip: str | None, kv_cache_tokens=None,
-                 chips: int = 1, kv_dtype: str | None = None) -> dict:
+                 chips: int = 1, kv_dtype: str | None = None, adapter_bytes: int = 0) -> dict:
     """Abstract arguments (nothing allocated) of the serving programs: params as a loaded
     model holds them, the device state with the pool `memory.plan` gives for the chip (one
-    arena, the TPU layout; over `chips` chips, per chip; `kv_dtype`: an 8-bit pool),
-    decode metadata per row bucket, sampling rows."""
+    arena, the TPU layout; over `chips` chips, per chip; `kv_dtype`: an 8-bit pool;
+    `adapter_bytes`: LoRA slot tables set aside first, as the engine's plan does), decode
+    metadata per row bucket, sampling rows."""
     import jax
     import jax.numpy as jnp
 
@@ -191,7 +192,7 @@ def serving_args(cfg, batch: int, chip: str | None, kv_cache_tokens=None,
     plat = platforms.choose(cfg, "tpu", ATTENTION)
     plan = memory.plan(cfg, platform=plat, max_batch_size=batch, max_context=ctx,
                        page_size=PAGE, kv_cache_tokens=kv_cache_tokens, free=free,
-                       kv_dtype=kv_dtype, **mesh)
+                       kv_dtype=kv_dtype, adapter_bytes=adapter_bytes, **mesh)
     dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes, page_size=PAGE,
                                         max_batch_size=batch, platform="tpu", pack=plat.pack,
                                         kv_dtype=kv_dtype)
@@ -445,6 +446,8 @@ def main() -> None:
                          "one and 32 image prompts)")
     args = ap.parse_args()
     env = env_info()
+    from photon_jax.model import lora
+
     if args.moe is not None:
         for row in moe_rows(args.topologies, args.moe or [746, 25408]):
             print(json.dumps({**row, **env}), flush=True)
@@ -470,8 +473,11 @@ def main() -> None:
             try:
                 tp, shardings = (None, None) if len(devices) == 1 else \
                     mesh_layout(cfg, devices)
+                # The slot tables whole on every chip, as the engine's plan counts them.
+                tables = (lora.table_bytes(cfg, args.lora_slots, args.lora_rank)
+                          if args.lora_slots else 0)
                 a = serving_args(cfg, batch, chip, chips=len(devices),
-                                 kv_dtype=args.kv_dtype)
+                                 kv_dtype=args.kv_dtype, adapter_bytes=tables)
             except Exception as e:   # the plan refuses (the model does not fit the chip), or
                 # this tree has no mesh sharding (photon_jax.model.sharding)
                 print(json.dumps({"kind": "tpu_compile", "model": name, "topology": topology,

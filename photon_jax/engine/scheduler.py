@@ -427,7 +427,7 @@ class Scheduler:
                 if not hit:
                     src = Source(Origin.MISS, self.cache_miss(s, keep))
                 self.share(s, src.entry, owned=not hit)
-            if text and self.copy_text:   # pinned until release, copied at the launch
+            if text and self.copy_text:   # pinned until the launch has copied them
                 s.text_copies = [(tp.page, s.pages[first + i]) for i, tp in enumerate(text)]
                 s.text_keys = [tp.key for tp in text]
                 s.start = start
