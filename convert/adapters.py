@@ -221,12 +221,11 @@ def read_adapter(path, cfg: MoondreamConfig, *, name: str, max_rank: int) -> Ada
             raise AdapterError(f"adapter {name!r}: tensor {key!r} is for text layer {li}, but "
                                f"the model has {cfg.text.n_layers}: an adapter of another model")
         if target not in shapes[li]:
-            kind = "mixture-of-experts" if target in lora.EXPERT_TARGETS else "dense"
+            kind = "mixture-of-experts" if li >= cfg.text.n_dense else "dense"
             raise AdapterError(
                 f"adapter {name!r}: tensor {key!r} adapts text layer {li}'s {target}, which "
-                f"this model's adapters do not have (layer {li} is a "
-                f"{'mixture-of-experts' if li >= cfg.text.n_dense else 'dense'} layer; "
-                f"{kind} targets there: {sorted(shapes[li])}): an adapter of another model")
+                f"this model's adapters do not have (layer {li} is a {kind} layer; its "
+                f"targets: {sorted(shapes[li])}): an adapter of another model")
         slot = found.setdefault((li, target), {})
         entry = slot.setdefault(ab, {})
         if alias in entry or (entry and (alias == "" or "" in entry)):

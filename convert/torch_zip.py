@@ -42,6 +42,11 @@ _DTYPE_OBJECTS = {
     "float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3",
     "uint8": "U8", "int8": "I8", "int32": "I32", "int64": "I64", "bool": "BOOL",
 }
+# The pickle (data.pkl) holds only the names, shapes and storage keys of the tensors: about
+# 150 bytes a tensor, so a few hundred KB for a whole Moondream checkpoint.  Unpickling can
+# cost ~60 bytes of Python objects per pickle byte (an empty list per opcode), and a zip
+# member may be deflated, so its declared size is bounded before anything is unpickled.
+MAX_PICKLE_BYTES = 16 << 20
 ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1, "I8": 1, "I32": 4,
             "I64": 8, "BOOL": 1}
 
@@ -227,6 +232,11 @@ def index_torch_checkpoint(path, nested: tuple = ()) -> dict[str, TensorRef]:
         if byteorder in infos and zf.read(byteorder).strip() != b"little":
             raise TorchZipError(f"{path}: saved big-endian ({zf.read(byteorder)!r}); re-save "
                                 "it on a little-endian machine")
+        pkl = infos.get(f"{root}/data.pkl")
+        if pkl is not None and pkl.file_size > MAX_PICKLE_BYTES:
+            raise TorchZipError(f"{path}: its data.pkl is {pkl.file_size:,} bytes, over the "
+                                f"{MAX_PICKLE_BYTES:,} a checkpoint's tensor index needs; "
+                                "not a torch state dict checkpoint")
         try:
             obj = _Unpickler(zf.open(f"{root}/data.pkl"), path).load()
         except TorchZipError:

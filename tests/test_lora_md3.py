@@ -206,7 +206,8 @@ def _kestrel_tensors(drawn, prefix="text_lora."):
 BAD = {
     "attention_key": (lambda t: t.update({"text.blocks.0.attn.qkv.A":
                                           np.zeros((4, 64), np.float32)}),
-                      "adapts text layer 0's qkv"),
+                      r"adapts text layer 0's qkv.*layer 0 is a dense layer; its targets: "
+                      r"\['fc1', 'fc2'\]"),
     "vision": (lambda t: t.update({"vision_lora.proj_fc2.down": np.zeros((4, 128),
                                                                           np.float32)}),
                "vision projection"),
@@ -219,7 +220,8 @@ BAD = {
                            "text layer 4"),
     "dense_on_an_moe_layer": (lambda t: t.update({
         "text_lora.dense.2.up_a": t["text_lora.dense.0.up_a"],
-        "text_lora.dense.2.up_b": t["text_lora.dense.0.up_b"]}), "layer 2's fc1"),
+        "text_lora.dense.2.up_b": t["text_lora.dense.0.up_b"]}),
+        r"layer 2's fc1.*layer 2 is a mixture-of-experts layer; its targets: \['down', 'up'\]"),
 }
 
 

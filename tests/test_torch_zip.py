@@ -203,3 +203,19 @@ def test_a_nested_state_dict_is_read_only_beside_plain_values(tmp_path):
     with pytest.raises(TorchZipError, match="not a flat dict"):
         index_torch_checkpoint(_archive(tmp_path / "deep.pt", pkl),
                                nested=("lora_state_dict",))
+
+
+def test_an_oversized_pickle_is_refused_before_unpickling(tmp_path, monkeypatch):
+    """data.pkl is a tensor index (about 150 bytes a tensor); one far larger, or a deflated
+    one that expands (a few KB on disk, gigabytes of Python objects unpickled), is refused
+    by its declared size before it is read."""
+    import photon_jax.convert.torch_zip as tz
+
+    monkeypatch.setattr(tz, "MAX_PICKLE_BYTES", 1 << 20)
+    pkl = b"\x80\x02]" + b"]a" * (1 << 20) + b"."   # 2 MB of nested empty lists
+    path = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/data.pkl", pkl)
+    assert path.stat().st_size < 64 << 10
+    with pytest.raises(TorchZipError, match="data.pkl is 2,097,156 bytes, over the 1,048,576"):
+        index_torch_checkpoint(path)
