@@ -182,6 +182,10 @@ def kv_side_by_side(models, config: str, batch: int, steps: int, mode: str, reps
                             kv_dtype=kv_dtype_of(m)) for n, m in zip(names, models)}
     kind = "weights_side_by_side" if weights_axis else "kv_side_by_side"
     extra = {"kv_dtype": kv_dtype_of(models[0]) or models[0].cfg.dtype} if weights_axis else {}
+    if weights_axis and jax.devices()[0].platform == "cpu":
+        from photon_jax.kernels import cpukernel
+
+        extra["dense_isa"] = cpukernel.dense_isa()   # the vectors 8-bit codes stream in
     return {"kind": kind, "config": config, "batch": batch, "mode": mode, **extra,
             "steps": steps, "reps": reps, "ceiling_tok_s": tok,
             "over_first": {n: round(t / tok[names[0]], 3) for n, t in tok.items()},

@@ -135,7 +135,9 @@ def load() -> bool:
             jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(lib.PhotonDense),
                                         platform="cpu")
             _state.update(ok=True, reason="", path=path, lib=lib,
-                          dense_fast=bool(lib.photon_dense_simd()))
+                          dense_fast=bool(lib.photon_dense_simd()),
+                          dense_isa=("avx512" if lib.photon_dense_gemv512() else "avx2")
+                          if lib.photon_dense_simd() else None)
         except Exception as e:   # noqa: BLE001 -- any failure means: use the XLA sweep
             _state.update(ok=False, reason=f"{type(e).__name__}: {e}")
             _log.warning("photon_jax: the CPU paged-attention kernel is not available (%s); "
@@ -170,6 +172,13 @@ def dense_fast() -> bool:
     """Whether `dense` beats XLA's products here: the kernels load and were built with AVX2
     and FMA (x86-64 CPUs since 2013-2015).  The decode step uses it only then."""
     return load() and _state["dense_fast"]
+
+
+def dense_isa() -> str | None:
+    """The vectors `dense` streams 8-bit codes in at 1-4 rows: "avx512" (where the build
+    targets AVX-512 F/BW/VL), "avx2", or None (no kernel, or no AVX2 + FMA).  The results
+    are the same bits either way; benchmarks report it because the speed is not."""
+    return _state.get("dense_isa") if load() else None
 
 
 def _dense_weight(w, transposed: bool):

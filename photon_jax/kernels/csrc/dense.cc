@@ -18,7 +18,10 @@
 // result is bitwise that of the float32 call on the dequantized weight.
 //
 // Built only with AVX2 + FMA (x86-64 CPUs since 2013-2015); elsewhere the call fails and
-// `photon_dense_simd()` is 0, so Python keeps XLA's products (cpukernel.dense_fast).
+// `photon_dense_simd()` is 0, so Python keeps XLA's products (cpukernel.dense_fast).  Where
+// the compiler targets AVX-512 (F, BW, VL), 8-bit codes at 1-4 rows stream in 512-bit
+// vectors instead (Gemv512Block: the same operations lane for lane, so the same bits;
+// `photon_dense_gemv512()` says which was built).
 //
 // Why: a decode step multiplies a few rows (M = the batch, up to 32 or so) by every weight
 // matrix.  XLA:CPU runs these skinny float32 products at 15-25 GFLOP/s on the 2-core
@@ -818,9 +821,145 @@ void GemvSweep(const Dense& d, const GemvSpan* spans, int nspans, int64_t n0, in
   }
 }
 
+// -- The streaming path in 512-bit vectors, for 8-bit codes (where AVX-512 is built) -------
+//
+// Measured on the 2-core machine (a Xeon with AVX-512): with 256-bit vectors the int8 stream
+// is bound by the float pipes, not by memory.  Each 8 codes take a widening, a convert, the
+// multiply by the scale and the multiply-add, and one core so reads codes at ~16 GB/s even
+// out of L2, where XLA's float32 dot streams its weights from memory at ~34 GB/s on the two.
+// A 512-bit vector does the same four steps for 16 codes.  Lane for lane the operations are
+// the 256-bit path's (the same widening, the same product rounded once, the same fused
+// multiply-add in k order), so the sums are the same bits.  The last columns of a block
+// (fewer than 16) are masked loads and stores instead of a scalar loop.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PHOTON_GEMV512 1
+
+// 16 codes (the lanes of `m`; the rest read as 0 and never stored) as float32.
+inline __m512 Widen16x(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+#if defined(__F16C__)
+// e4m3 codes as float32 times 2^-8 (the 256-bit Widen16's integer steps, on 16 codes).
+inline __m512 Widen16x(const uint8_t* p, __mmask16 m) {
+  __m256i h = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(m, p));
+  h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  h = _mm256_or_si256(h, _mm256_and_si256(_mm256_add_epi16(h, _mm256_set1_epi16(0x80)),
+                                          _mm256_set1_epi16(0x4000)));
+  return _mm512_cvtph_ps(h);
+}
+#else
+inline __m512 Widen16x(const uint8_t* p, __mmask16 m) {
+  alignas(64) float v[16];
+  for (int i = 0; i < 16; ++i) v[i] = (m >> i) & 1 ? kFp8.v[p[i]] : 0.0f;
+  return _mm512_load_ps(v);
+}
+#endif
+
+// Rows [k0, k1) of MR rows of x times NV vectors of 16 columns from n0 (the last one masked
+// by `tail`), into the sums parked in c (ldc apart; zeros if !load), or, if `last`, into
+// y = the sums + b.
+template <int MR, int NV, typename T>
+inline void Gemv512Run(const Dense& d, int64_t k0, int64_t k1, int64_t n0, __mmask16 tail,
+                       bool load, float* c, int64_t ldc, bool last) {
+  static_assert(MR >= 1 && MR <= kGemvRows && NV >= 1 && NV <= 4, "");
+  const T* q = static_cast<const T*>(d.w) + n0;
+  const __m512 lift = _mm512_set1_ps(std::is_same<T, uint8_t>::value ? kF8Lift : 1.0f);
+  auto mask = [&](int v) -> __mmask16 { return v == NV - 1 ? tail : __mmask16(0xFFFF); };
+  __m512 s0 = lift, s1 = lift, s2 = lift, s3 = lift;
+#define G512_SCALE(v) \
+  if constexpr (NV > v) s##v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask(v), d.s + n0 + 16 * v), lift);
+  G512_SCALE(0) G512_SCALE(1) G512_SCALE(2) G512_SCALE(3)
+#undef G512_SCALE
+  // Named accumulators, not an array (see Tile).
+#define G512_ROWS(F, v) F(0, v) F(1, v) F(2, v) F(3, v)
+#define G512_EACH(F) G512_ROWS(F, 0) G512_ROWS(F, 1) G512_ROWS(F, 2) G512_ROWS(F, 3)
+#define G512_DECL(i, v) __m512 a##i##v = _mm512_setzero_ps();
+  G512_EACH(G512_DECL)
+#undef G512_DECL
+#define G512_LOAD(i, v) \
+  if constexpr (MR > i && NV > v) a##i##v = _mm512_maskz_loadu_ps(mask(v), c + i * ldc + 16 * v);
+  if (load) {
+    G512_EACH(G512_LOAD)
+  }
+#undef G512_LOAD
+  const float* x0 = d.x;
+  const float* x1 = d.x + d.k;
+  const float* x2 = d.x + 2 * d.k;
+  const float* x3 = d.x + 3 * d.k;
+  const int64_t ahead = kGemvKC * d.n;  // the next sweep's row (past W's end: harmless)
+#define G512_FMA(i, v, w) \
+  if constexpr (MR > i) a##i##v = _mm512_fmadd_ps(xb##i, w, a##i##v);
+#define G512_VEC(v)                                                                   \
+  if constexpr (NV > v) {                                                             \
+    const __m512 w = _mm512_mul_ps(Widen16x(row + 16 * v, mask(v)), s##v);            \
+    G512_FMA(0, v, w) G512_FMA(1, v, w) G512_FMA(2, v, w) G512_FMA(3, v, w)           \
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    const T* row = q + k * d.n;
+    _mm_prefetch(reinterpret_cast<const char*>(row) + ahead, _MM_HINT_T0);
+    __m512 xb0 = _mm512_set1_ps(x0[k]), xb1, xb2, xb3;
+    if constexpr (MR > 1) xb1 = _mm512_set1_ps(x1[k]);
+    if constexpr (MR > 2) xb2 = _mm512_set1_ps(x2[k]);
+    if constexpr (MR > 3) xb3 = _mm512_set1_ps(x3[k]);
+    (void)xb1;
+    (void)xb2;
+    (void)xb3;
+    G512_VEC(0) G512_VEC(1) G512_VEC(2) G512_VEC(3)
+  }
+#undef G512_VEC
+#undef G512_FMA
+  const float* b = d.b + n0;
+  float* y = d.y + n0;
+#define G512_STORE(i, v)                                                                 \
+  if constexpr (MR > i && NV > v) {                                                      \
+    if (last) {                                                                          \
+      _mm512_mask_storeu_ps(y + i * d.n + 16 * v, mask(v),                               \
+                            _mm512_add_ps(a##i##v, _mm512_maskz_loadu_ps(mask(v), b + 16 * v))); \
+    } else {                                                                             \
+      _mm512_mask_storeu_ps(c + i * ldc + 16 * v, mask(v), a##i##v);                     \
+    }                                                                                    \
+  }
+  G512_EACH(G512_STORE)
+#undef G512_STORE
+#undef G512_EACH
+#undef G512_ROWS
+}
+
+// One work item of 8-bit codes: columns [n0, n0 + cols), a sweep of kGemvKC rows at a time,
+// each over groups of 64 columns, then 32, then 16, then the last (masked).
+template <int MR, typename T>
+void Gemv512Block(const Dense& d, int64_t n0, int64_t cols, float* c) {
+  const __mmask16 full = 0xFFFF;
+  for (int64_t k0 = 0; k0 < d.k; k0 += kGemvKC) {
+    const int64_t k1 = std::min(d.k, k0 + kGemvKC);
+    const bool load = k0 > 0, last = k1 == d.k;
+    int64_t j = 0;
+    for (; j + 64 <= cols; j += 64) Gemv512Run<MR, 4, T>(d, k0, k1, n0 + j, full, load, c + j, cols, last);
+    if (j + 32 <= cols) {
+      Gemv512Run<MR, 2, T>(d, k0, k1, n0 + j, full, load, c + j, cols, last);
+      j += 32;
+    }
+    if (j + 16 <= cols) {
+      Gemv512Run<MR, 1, T>(d, k0, k1, n0 + j, full, load, c + j, cols, last);
+      j += 16;
+    }
+    if (j < cols) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (cols - j)) - 1);
+      Gemv512Run<MR, 1, T>(d, k0, k1, n0 + j, tail, load, c + j, cols, last);
+    }
+  }
+}
+#else
+#define PHOTON_GEMV512 0
+#endif
+
 // One work item: columns [n0, n0 + cols), every k, a sweep at a time; c: its parked sums.
 template <int MR>
 void GemvBlock(const Dense& d, int64_t n0, int64_t cols, float* c) {
+#if PHOTON_GEMV512
+  if (d.kind == Kind::kS8) return Gemv512Block<MR, int8_t>(d, n0, cols, c);
+  if (d.kind == Kind::kF8) return Gemv512Block<MR, uint8_t>(d, n0, cols, c);
+#endif
   GemvSpan spans[kGemvKC];
   const int64_t half = d.k / 2;
   for (int64_t k0 = 0; k0 < d.k; k0 += kGemvKC) {
@@ -957,6 +1096,12 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
 
 // 1 if the tiles above use AVX2 + FMA: only then is this faster than XLA's own products.
 extern "C" int photon_dense_simd() { return PHOTON_DENSE_SIMD; }
+
+#ifndef PHOTON_GEMV512
+#define PHOTON_GEMV512 0
+#endif
+// 1 if 8-bit codes at 1-4 rows stream in 512-bit vectors (Gemv512Block), 0: in 256-bit ones.
+extern "C" int photon_dense_gemv512() { return PHOTON_GEMV512; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PhotonDense, DenseImpl,
                               ffi::Ffi::Bind()
