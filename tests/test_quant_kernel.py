@@ -222,46 +222,33 @@ def test_bad_quantized_weights_are_refused():
         cpukernel.dense(x, {"q": jnp.ones((64, 16), jnp.uint8), "s": jnp.ones(16)}, b)
 
 
-@pytest.fixture(scope="module")
-def dense_avx2(tmp_path_factory):
-    """dense.cc built again with AVX-512 off (`-mno-avx512f`), registered under its own
-    target: the 256-bit streaming path that every AVX2 CPU without AVX-512 runs.  Where
-    this machine builds the 512-bit path, nothing else in the suite runs that one."""
-    import ctypes
-    import subprocess
 
-    cxx = cpukernel._compiler()
-    so = str(tmp_path_factory.mktemp("avx2") / "dense_avx2.so")
-    cmd = [cxx, *cpukernel._FLAGS, "-mno-avx512f", "-w", "-I", jax.ffi.include_dir(),
-           f"{cpukernel._CSRC}/dense.cc", "-o", so]
-    subprocess.run(cmd, check=True, capture_output=True)
-    lib = ctypes.cdll.LoadLibrary(so)
-    assert lib.photon_dense_simd() == 1 and lib.photon_dense_gemv512() == 0
-    jax.ffi.register_ffi_target("photon_dense_avx2_test", jax.ffi.pycapsule(lib.PhotonDense),
-                                platform="cpu")
-
-    @jax.jit
-    def run(xs, w, b):
-        q, s, z = cpukernel._dense_weight(w, False)
-        return [jax.ffi.ffi_call("photon_dense_avx2_test",
-                                 jax.ShapeDtypeStruct((x.shape[0], b.shape[0]), jnp.float32))(
-                    x, q, b, s, z, transposed=False) for x in xs]
-    return run
+@pytest.fixture
+def avx2_stream():
+    """The 256-bit stream for this test (`cpukernel.dense_isa("avx2")`), the 512-bit one
+    restored after.  Where this machine builds the 512-bit stream, nothing else in the suite
+    runs the 256-bit one, which every AVX2 CPU without AVX-512 runs."""
+    before = cpukernel.dense_isa()
+    assert cpukernel.dense_isa("avx2") == "avx2"
+    yield before
+    cpukernel.dense_isa(before)
 
 
 @pytest.mark.parametrize("fmt,k,n", [("int8", 300, 77), ("int8", 301, 2100), ("fp8", 520, 45)])
-def test_the_256_bit_stream_gives_the_same_bits(dense_avx2, fmt, k, n):
-    """1-4 rows of 8-bit codes through the 256-bit build equal the main build's float
-    kernel on the dequantized weight, bit for bit (and so the 512-bit stream where this
-    machine has it): column groups of 32, 16 and 8 and single columns, sweeps cut short."""
+def test_the_256_bit_stream_gives_the_same_bits(avx2_stream, fmt, k, n):
+    """1-4 rows of 8-bit codes through the 256-bit stream equal the float kernel on the
+    dequantized weight bit for bit, as the 512-bit stream does (where built): column groups
+    of 32, 16 and 8 and single columns, sweeps cut short."""
     rng = np.random.default_rng(k + n)
     w = rng.normal(size=(k, n)).astype(np.float32)
     q = quant.quantize(w, fmt)
     b = rng.normal(size=n).astype(np.float32)
     xs = [rng.normal(size=(m, k)).astype(np.float32) for m in (1, 2, 3, 4)]
     wf = np.asarray(quant.dequantize(_dev(q), jnp.float32))
-    got = [np.asarray(y) for y in dense_avx2([jnp.asarray(x) for x in xs], _dev(q),
-                                              jnp.asarray(b))]
-    for y, main, want in zip(got, _run(xs, q, b, False), _run(xs, wf, b, False)):
-        np.testing.assert_array_equal(y, want)
-        np.testing.assert_array_equal(main, want)
+    want = _run(xs, wf, b, False)
+    for y, yf in zip(_run(xs, q, b, False), want):
+        np.testing.assert_array_equal(y, yf)
+    if avx2_stream == "avx512":   # and the 512-bit stream, switched back on
+        assert cpukernel.dense_isa("avx512") == "avx512"
+        for y, yf in zip(_run(xs, q, b, False), want):
+            np.testing.assert_array_equal(y, yf)

@@ -136,8 +136,7 @@ def load() -> bool:
                                         platform="cpu")
             _state.update(ok=True, reason="", path=path, lib=lib,
                           dense_fast=bool(lib.photon_dense_simd()),
-                          dense_isa=("avx512" if lib.photon_dense_gemv512() else "avx2")
-                          if lib.photon_dense_simd() else None)
+                          dense_simd=bool(lib.photon_dense_simd()))
         except Exception as e:   # noqa: BLE001 -- any failure means: use the XLA sweep
             _state.update(ok=False, reason=f"{type(e).__name__}: {e}")
             _log.warning("photon_jax: the CPU paged-attention kernel is not available (%s); "
@@ -174,11 +173,18 @@ def dense_fast() -> bool:
     return load() and _state["dense_fast"]
 
 
-def dense_isa() -> str | None:
+def dense_isa(use: str | None = None) -> str | None:
     """The vectors `dense` streams 8-bit codes in at 1-4 rows: "avx512" (where the build
     targets AVX-512 F/BW/VL), "avx2", or None (no kernel, or no AVX2 + FMA).  The results
-    are the same bits either way; benchmarks report it because the speed is not."""
-    return _state.get("dense_isa") if load() else None
+    are the same bits either way; benchmarks report it because the speed is not.  `use`
+    ("avx2" / "avx512") switches the stream for this process's later calls, where built
+    (tests check the 256-bit stream's bits that way; a benchmark can time both)."""
+    if not load() or not _state["dense_simd"]:
+        return None
+    if use not in (None, "avx2", "avx512"):
+        raise ValueError(f"dense_isa: use must be 'avx2' or 'avx512', not {use!r}")
+    on = -1 if use is None else int(use == "avx512")
+    return "avx512" if _state["lib"].photon_dense_gemv512(on) else "avx2"
 
 
 def _dense_weight(w, transposed: bool):

@@ -21,7 +21,7 @@
 // `photon_dense_simd()` is 0, so Python keeps XLA's products (cpukernel.dense_fast).  Where
 // the compiler targets AVX-512 (F, BW, VL), 8-bit codes at 1-4 rows stream in 512-bit
 // vectors instead (Gemv512Block: the same operations lane for lane, so the same bits;
-// `photon_dense_gemv512()` says which was built).
+// `photon_dense_gemv512` says which runs, and can switch it).
 //
 // Why: a decode step multiplies a few rows (M = the batch, up to 32 or so) by every weight
 // matrix.  XLA:CPU runs these skinny float32 products at 15-25 GFLOP/s on the 2-core
@@ -47,6 +47,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -954,11 +955,19 @@ void Gemv512Block(const Dense& d, int64_t n0, int64_t cols, float* c) {
 #endif
 
 // One work item: columns [n0, n0 + cols), every k, a sweep at a time; c: its parked sums.
+#if PHOTON_GEMV512
+// Whether the 512-bit stream is taken (photon_dense_use_gemv512): on unless switched off, so
+// that one process can run and check the 256-bit stream beside it.
+std::atomic<bool> g_gemv512{true};
+#endif
+
 template <int MR>
 void GemvBlock(const Dense& d, int64_t n0, int64_t cols, float* c) {
 #if PHOTON_GEMV512
-  if (d.kind == Kind::kS8) return Gemv512Block<MR, int8_t>(d, n0, cols, c);
-  if (d.kind == Kind::kF8) return Gemv512Block<MR, uint8_t>(d, n0, cols, c);
+  if (g_gemv512.load(std::memory_order_relaxed)) {
+    if (d.kind == Kind::kS8) return Gemv512Block<MR, int8_t>(d, n0, cols, c);
+    if (d.kind == Kind::kF8) return Gemv512Block<MR, uint8_t>(d, n0, cols, c);
+  }
 #endif
   GemvSpan spans[kGemvKC];
   const int64_t half = d.k / 2;
@@ -1101,7 +1110,17 @@ extern "C" int photon_dense_simd() { return PHOTON_DENSE_SIMD; }
 #define PHOTON_GEMV512 0
 #endif
 // 1 if 8-bit codes at 1-4 rows stream in 512-bit vectors (Gemv512Block), 0: in 256-bit ones.
-extern "C" int photon_dense_gemv512() { return PHOTON_GEMV512; }
+// `on` 0 or 1 switches the 512-bit stream off or on (where it is built) for later calls; -1
+// leaves it.  The bits are the same either way: this is for tests and benchmarks.
+extern "C" int photon_dense_gemv512(int on) {
+#if PHOTON_GEMV512
+  if (on >= 0) g_gemv512.store(on != 0);
+  return g_gemv512.load() ? 1 : 0;
+#else
+  (void)on;
+  return 0;
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PhotonDense, DenseImpl,
                               ffi::Ffi::Bind()
