@@ -220,7 +220,8 @@ def test_bad_quantized_weights_are_refused():
         cpukernel.dense(x, _dev(w), b, transposed=True)
     with pytest.raises(ValueError, match="int8 or float8_e4m3fn"):
         cpukernel.dense(x, {"q": jnp.ones((64, 16), jnp.uint8), "s": jnp.ones(16)}, b)
-
+    with pytest.raises(ValueError, match="'avx2' or 'avx512', not 'sse'"):
+        cpukernel.dense_isa("sse")
 
 
 @pytest.fixture

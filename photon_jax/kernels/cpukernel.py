@@ -135,8 +135,7 @@ def load() -> bool:
             jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(lib.PhotonDense),
                                         platform="cpu")
             _state.update(ok=True, reason="", path=path, lib=lib,
-                          dense_fast=bool(lib.photon_dense_simd()),
-                          dense_simd=bool(lib.photon_dense_simd()))
+                          dense_fast=bool(lib.photon_dense_simd()))
         except Exception as e:   # noqa: BLE001 -- any failure means: use the XLA sweep
             _state.update(ok=False, reason=f"{type(e).__name__}: {e}")
             _log.warning("photon_jax: the CPU paged-attention kernel is not available (%s); "
@@ -179,10 +178,10 @@ def dense_isa(use: str | None = None) -> str | None:
     are the same bits either way; benchmarks report it because the speed is not.  `use`
     ("avx2" / "avx512") switches the stream for this process's later calls, where built
     (tests check the 256-bit stream's bits that way; a benchmark can time both)."""
-    if not load() or not _state["dense_simd"]:
-        return None
     if use not in (None, "avx2", "avx512"):
         raise ValueError(f"dense_isa: use must be 'avx2' or 'avx512', not {use!r}")
+    if not dense_fast():
+        return None
     on = -1 if use is None else int(use == "avx512")
     return "avx512" if _state["lib"].photon_dense_gemv512(on) else "avx2"
 

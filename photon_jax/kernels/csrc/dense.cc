@@ -45,6 +45,12 @@
 #else
 #define PHOTON_DENSE_SIMD 0
 #endif
+// 8-bit codes at 1-4 rows in 512-bit vectors (Gemv512Block), where the compiler targets them.
+#if PHOTON_DENSE_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PHOTON_GEMV512 1
+#else
+#define PHOTON_GEMV512 0
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -832,8 +838,7 @@ void GemvSweep(const Dense& d, const GemvSpan* spans, int nspans, int64_t n0, in
 // the 256-bit path's (the same widening, the same product rounded once, the same fused
 // multiply-add in k order), so the sums are the same bits.  The last columns of a block
 // (fewer than 16) are masked loads and stores instead of a scalar loop.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define PHOTON_GEMV512 1
+#if PHOTON_GEMV512
 
 // 16 codes (the lanes of `m`; the rest read as 0 and never stored) as float32.
 inline __m512 Widen16x(const int8_t* p, __mmask16 m) {
@@ -950,17 +955,14 @@ void Gemv512Block(const Dense& d, int64_t n0, int64_t cols, float* c) {
     }
   }
 }
-#else
-#define PHOTON_GEMV512 0
-#endif
+
+// Whether the 512-bit stream is taken (photon_dense_gemv512): on unless switched off, so that
+// one process can run and check the 256-bit stream beside it.  Read once per work item: a
+// switch during a call may mix the two streams across its items, which give the same bits.
+std::atomic<bool> g_gemv512{true};
+#endif  // PHOTON_GEMV512
 
 // One work item: columns [n0, n0 + cols), every k, a sweep at a time; c: its parked sums.
-#if PHOTON_GEMV512
-// Whether the 512-bit stream is taken (photon_dense_use_gemv512): on unless switched off, so
-// that one process can run and check the 256-bit stream beside it.
-std::atomic<bool> g_gemv512{true};
-#endif
-
 template <int MR>
 void GemvBlock(const Dense& d, int64_t n0, int64_t cols, float* c) {
 #if PHOTON_GEMV512
@@ -1106,9 +1108,6 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
 // 1 if the tiles above use AVX2 + FMA: only then is this faster than XLA's own products.
 extern "C" int photon_dense_simd() { return PHOTON_DENSE_SIMD; }
 
-#ifndef PHOTON_GEMV512
-#define PHOTON_GEMV512 0
-#endif
 // 1 if 8-bit codes at 1-4 rows stream in 512-bit vectors (Gemv512Block), 0: in 256-bit ones.
 // `on` 0 or 1 switches the 512-bit stream off or on (where it is built) for later calls; -1
 // leaves it.  The bits are the same either way: this is for tests and benchmarks.

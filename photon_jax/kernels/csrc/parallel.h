@@ -73,7 +73,7 @@ bool ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, int64_t max_threads,
   // What is left is at most one item per helper, already running.  Wait for it spinning,
   // not asleep: a decode step makes dozens of calls of 20-200 us each, and being woken from
   // the condition variable cost about 16 us a call on the 2-core machine (a chain of the
-  // small config's 16 int8 layers: 0.96 ms sleeping, 0.68 ms spinning).  The spin is
+  // small config's 16 int8 layers: 0.96 ms sleeping, 0.61 ms spinning).  The spin is
   // bounded, so a helper the OS has set aside costs this thread a sleep, never a core.
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinUs);
   while (w->done.load(std::memory_order_acquire) != w->total &&
