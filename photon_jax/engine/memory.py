@@ -10,7 +10,8 @@ Default pool (`kv_cache_tokens=None`):
   slots and a workspace for XLA's temporaries are set aside.  JAX preallocates 75% of GPU
   memory by default; `XLA_PYTHON_CLIENT_MEM_FRACTION` changes that share (see README).
 - CPU: enough for `max_batch_size` sequences at full context plus four cached image
-  prefixes, capped at a quarter of the free host memory (and at 4 GiB).
+  prefixes, capped at a quarter of the available host memory (and at 4 GiB): MemAvailable,
+  page cache included, within the cgroup's limit (`hostmem.host_available`).
 
 An 8-bit pool (`kv_dtype`, `kvpool.QUANTIZED`) costs its code bytes plus a float32 scale per
 (kv head, position): 68 bytes per head and position at head dim 64 against 128 in bfloat16,
@@ -23,7 +24,6 @@ chips; the pool is then sized from the first chip's free memory.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import jax
@@ -34,6 +34,7 @@ from ..model import moe
 from ..model.config import MoondreamConfig
 from ..model.platforms import Platform, choose, host_platform
 from ..model.sharding import local_experts
+from .hostmem import host_available
 from .pages import pages_for
 from .stepmeta import Arenas
 
@@ -237,7 +238,7 @@ class MemoryPlan:
 
 def device_free(device) -> int | None:
     """Bytes the device can still allocate: accelerators from their allocator's stats, the
-    CPU from the host's available memory."""
+    CPU from what the kernel can give the process (`hostmem.host_available`)."""
     stats = None
     try:
         stats = device.memory_stats()
@@ -246,10 +247,7 @@ def device_free(device) -> int | None:
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
     if host_platform(device.platform):
-        try:
-            return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError, AttributeError):
-            return None
+        return host_available()
     return None
 
 
