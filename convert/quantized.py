@@ -13,7 +13,20 @@ gives the formats and where each fact comes from):
   model's linears when its config says so) as `X.weight.packed` uint8 [out*in/256, 128],
   `X.weight.scale` and `X.weight.zero_point` [out*in/128, 1]: groups of 128 adjacent values
   of the row-major [out, in] weight, the high nibbles of packed row r holding group r and
-  the low nibbles group r + G/2, W = (code - zero) * scale.
+  the low nibbles group r + G/2, W = (code - zero) * scale.  A group may run over a row's
+  end when `in` is not a multiple of 128 (the reference's groups are flat).
+
+How a 4-bit layer is kept (`Quantized.read_quant`): repacked into photon_jax's row-aligned
+int4 layout, whose groups are g = gcd(128, in) input rows.  That is exact for every even
+`in`, with no re-rounding: g divides 128 and `in`, so each run of g values of a row starts at
+a multiple of g in the flat weight and lies inside one of the reference's groups of 128;
+giving every such run its group's scale and zero point (each flat group's pair repeated
+128/g times) reproduces W value for value, both bfloat16 roundings included.  At in % 128 ==
+0 (every published layer) g = 128 and nothing is repeated.  Chosen over widening such a layer
+to float because it keeps the layer 4-bit like its neighbours (the config's `weights` names
+one format for all the text linears) and costs only larger scales (128/g times).  What the
+layout cannot hold is refused by name: an odd `in` (two input rows share each byte) and a
+stored shape that does not fit the layer.
 
 `group(tensors)` replaces each such set of stored tensors by one `Quantized` entry under the
 float weight's name, so the name table, the shape checks and the missing/unexpected report
@@ -47,7 +60,7 @@ class Quantized:
     """One float weight stored as codes + scales.  `shape`/`dtype` as the float tensor
     would be stored (torch [.., out, in]); `fmt` photon_jax's format of it."""
     name: str
-    fmt: str                      # "fp8" (per output row) or "int4" (groups of 128)
+    fmt: str                      # "fp8" (per output row) or "int4" (flat groups of 128)
     shape: tuple[int, ...]
     parts: tuple[TensorRef, ...]  # fp8: (codes, scale); int4: (packed, scale, zero_point)
     dtype: str = "Q"
@@ -61,8 +74,7 @@ class Quantized:
         packed, scale, zero = (read_tensor(r) for r in self.parts)
         out, inn = self.shape
         codes = np.concatenate([packed >> 4, packed & 15], axis=0).reshape(out, inn)
-        s = scale.astype(np.float32).reshape(out, inn // 128)
-        z = zero.astype(np.float32).reshape(out, inn // 128)
+        s, z = (row_groups(v, out, inn) for v in (scale, zero))
         return {"q4": quant.pack_nibbles(np.ascontiguousarray(codes.T)),
                 "s4": np.ascontiguousarray(s.T), "z4": np.ascontiguousarray(z.T)}
 
@@ -70,6 +82,16 @@ class Quantized:
         """The weight as float32, in the stored (torch) orientation."""
         w = quant.dequantize(self.read_quant(), np.float32, xp=np)
         return np.ascontiguousarray(np.swapaxes(w, -1, -2))
+
+
+def row_groups(per_flat_group: np.ndarray, out: int, inn: int) -> np.ndarray:
+    """A value per flat group of 128 ([out*in/128, 1], the reference's scale or zero point)
+    -> float32 [out, in/g], one per row-aligned group of g = gcd(128, in) (`quant.group_size`):
+    run m of row o is flat elements (o*in + m*g) .. +g, inside flat group (o*in + m*g) // 128,
+    so the flat t-th run takes value t // (128/g)."""
+    g = quant.group_size(inn)
+    v = per_flat_group.astype(np.float32).reshape(-1)
+    return np.repeat(v, quant.GROUP // g).reshape(out, inn // g)
 
 
 @dataclass(frozen=True)
@@ -132,11 +154,12 @@ def group(tensors: dict, n_heads: int) -> tuple[dict, list[str]]:
                     f"{name} has no {base}.scale / {base}.zero_point beside it")
             scale, zero = by_canon[base + ".scale"][1], by_canon[base + ".zero_point"][1]
             g = int(np.prod(scale.shape))
-            if ref.dtype != "U8" or tuple(ref.shape) != (g // 2, 128) or \
+            if ref.dtype != "U8" or g % 2 or tuple(ref.shape) != (g // 2, 128) or \
                     tuple(zero.shape) != tuple(scale.shape):
                 raise QuantizedLayoutError(
                     f"{name}: {ref.dtype}{list(ref.shape)} with scale {list(scale.shape)}: "
-                    "not the 4-bit layout (uint8 [G/2, 128] for G groups of 128)")
+                    "not the 4-bit layout (uint8 [G/2, 128] for an even number G of groups of "
+                    "128)")
             for k in (hf, base + ".scale", base + ".zero_point"):
                 take(k)
             out[name[: -len(".packed")]] = Md2Pending(base, g, (ref, scale, zero))
@@ -182,9 +205,17 @@ class Md2Pending:
     dtype: str = "Q"
 
     def resolve(self, shape: tuple[int, ...]) -> Quantized:
+        """`shape`: the layer's [out, in], whose out*in the caller has matched to the
+        groups.  Any `in` that photon_jax's int4 layout holds loads exactly (a group running
+        over a row's end included: `row_groups`); an odd one is refused."""
         out, inn = shape
-        if inn % 128:
+        if out * inn != self.groups * quant.GROUP:
             raise QuantizedLayoutError(
-                f"{self.name}: 4-bit groups of 128 need an input dimension that is a multiple "
-                f"of 128, this layer's is {inn}")
+                f"{self.name}: {self.groups} groups of 128 values cannot be a [{out}, {inn}] "
+                "weight; the checkpoint does not belong to this config.json")
+        if inn % 2:
+            raise QuantizedLayoutError(
+                f"{self.name}: a [{out}, {inn}] 4-bit layer; photon_jax's 4-bit layout packs "
+                f"two input rows per byte and needs an even input dimension, not {inn}; "
+                "convert the float release of this model instead")
         return Quantized(self.name, "int4", (out, inn), self.parts)

@@ -87,19 +87,20 @@ def _tensor(storage, offset, shape, stride, dtype):
 
 
 # The rebuild functions' signatures are torch's (torch/_utils.py); requires_grad, the
-# backward-hook dict and the metadata carry nothing a weight file needs.
+# backward-hook dict and the metadata carry nothing a weight file needs, hence their leading
+# underscores (the pickle's REDUCE passes every argument by position, so the names are ours).
 def _rebuild_tensor(storage, offset, shape, stride):
     if not isinstance(storage, _Storage) or storage.dtype is None:
         raise pickle.UnpicklingError("_rebuild_tensor needs a typed storage")
     return _tensor(storage, offset, shape, stride, storage.dtype)
 
 
-def _rebuild_tensor_v2(storage, offset, shape, stride, requires_grad, hooks, metadata=None):
+def _rebuild_tensor_v2(storage, offset, shape, stride, _requires_grad, _hooks, _metadata=None):
     return _rebuild_tensor(storage, offset, shape, stride)
 
 
-def _rebuild_tensor_v3(storage, offset, shape, stride, requires_grad, hooks, dtype,
-                       metadata=None):
+def _rebuild_tensor_v3(storage, offset, shape, stride, _requires_grad, _hooks, dtype,
+                       _metadata=None):
     if not isinstance(dtype, _Dtype):
         raise pickle.UnpicklingError("_rebuild_tensor_v3 without a dtype")
     if storage.dtype is not None and storage.dtype != dtype.dtype:
@@ -107,7 +108,7 @@ def _rebuild_tensor_v3(storage, offset, shape, stride, requires_grad, hooks, dty
     return _tensor(storage, offset, shape, stride, dtype.dtype)
 
 
-def _rebuild_parameter(data, requires_grad, hooks):
+def _rebuild_parameter(data, _requires_grad, _hooks):
     # A dict of nn.Parameters (e.g. built from named_parameters()) holds the same bytes.
     if not isinstance(data, _Tensor):
         raise pickle.UnpicklingError("_rebuild_parameter without a tensor")

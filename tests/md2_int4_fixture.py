@@ -75,10 +75,13 @@ def config_json() -> dict:
 # -- the 4-bit layout ---------------------------------------------------------------------------
 
 def quantize_int4(w: np.ndarray):
-    """[out, in] weight -> (packed uint8 [G/2, 128], scale f32 [G, 1], zero_point f32 [G, 1])."""
+    """[out, in] weight -> (packed uint8 [G/2, 128], scale f32 [G, 1], zero_point f32 [G, 1]).
+    The groups are flat, as the reference's are: where `in` is not a multiple of 128 a group
+    runs over a row's end, so only out*in must be a multiple of 256 (an even G)."""
     out, inn = w.shape
-    if inn % GROUP or (out * inn // GROUP) % 2:
-        raise ValueError(f"cannot pack a [{out}, {inn}] weight in groups of {GROUP}")
+    if (out * inn) % (2 * GROUP):
+        raise ValueError(f"cannot pack a [{out}, {inn}] weight in an even number of groups of "
+                         f"{GROUP}")
     g = np.asarray(w, np.float32).reshape(-1, GROUP)   # group k = values 128k .. 128k+127
     lo = g.min(axis=1, keepdims=True)
     hi = g.max(axis=1, keepdims=True)

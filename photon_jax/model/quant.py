@@ -13,8 +13,10 @@ so every program sees its kind in the tree's structure and no flag travels besid
   nibbles of q4[k - K/2], and W[k, n] = (code - z4[k // g, n]) * s4[k // g, n] with codes
   0..15 and a float zero point, both steps rounded to bfloat16 as Moondream 2's reference
   rounds them (`dequantize`).  g = gcd(128, K): 128 for every real Moondream layer.
-  Moondream 2's published 4-bit layers (groups of 128 along each torch row, the same
-  asymmetric rule) are repacked into this layout at conversion, value for value.
+  Moondream 2's published 4-bit layers (flat groups of 128 of the row-major torch weight,
+  the same asymmetric rule) are repacked into this layout at conversion, value for value;
+  where K is not a multiple of 128 a flat group runs over a row's end, and each of its
+  g-row runs takes its scale and zero point (`convert/quantized.py`).
 
 Why the split halves rather than adjacent pairs in a byte: unpacking is two whole-array ops
 (`& 15`, `>> 4`) and a concatenate, which XLA fuses into the product's operand, and the CPU

@@ -63,14 +63,14 @@ class Gate:
             if got is not None and hmac.compare_digest(got.encode(), self.key.encode()):
                 return
             if got is None and self.local_without_key and _peer_is_loopback(request):
-                self._browser_check(request, keyless=True)
+                self._browser_check(request)
                 return
             raise ApiError(401, "missing or wrong API key: send it in the X-Moondream-Auth "
                            "header (or \"Authorization: Bearer KEY\")", "authentication_error",
                            headers={"WWW-Authenticate": "Bearer"})
-        self._browser_check(request, keyless=True)
+        self._browser_check(request)
 
-    def _browser_check(self, request: HTTPRequest, keyless: bool) -> None:
+    def _browser_check(self, request: HTTPRequest) -> None:
         host = host_name(request.headers.get("host", ""))
         if not (self.any_host or is_local_name(host) or host in self.hosts):
             raise ApiError(403, f"Host {host!r} is not one this server answers without an "
