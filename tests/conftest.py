@@ -49,7 +49,7 @@ if "PHOTON_JAX_CACHE" not in os.environ:
 # whichever worker is free in collection order, so the long ones start at once and short
 # files fill the end of the run instead of one worker finishing a long file alone.
 HEAVY_FIRST = ("test_bench.py", "test_mesh.py", "test_mesh_two.py", "test_caption.py",
-               "test_tpu_attention.py", "test_gpu_attention.py", "test_lora.py",
+               "test_tpu_attention.py", "test_gpu_attention.py", "test_lora.py", "test_liveness.py",
                "test_gpu_lowering.py", "test_quantized.py", "test_moe.py",
                "test_serve_abuse.py", "test_invariants.py", "test_md3_engine.py",
                "test_engine.py", "test_kv8.py", "test_pool.py")

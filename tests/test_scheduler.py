@@ -259,12 +259,17 @@ def test_shared_prefix_pages_are_read_in_place_pinned_and_never_freed_by_a_reque
 
 
 def test_a_request_blocked_by_pins_fails_alone():
+    """A request that only pinned pages could serve fails alone, after the grace period."""
     sc = scheduler(pages=9, prefix_len=8)
     sc.cache.insert(b"pinned", 6, (1, 1), pin=True)
     blocked, small = seq(4 * 5, budget=1), seq(2, budget=1)
     admit(sc, blocked, small)
     assert launch_prefill(sc) == []          # arrival order: small waits behind blocked
-    sc.check_stuck(idle=True)
+    # The pins' holders get pin_wait_s to release them before the request fails.
+    sc.check_stuck(idle=True, now=100.0)
+    sc.check_stuck(idle=True, now=100.0 + sc.pin_wait_s / 2)
+    assert not blocked.handle.done()
+    sc.check_stuck(idle=True, now=100.0 + sc.pin_wait_s)
     with pytest.raises(RequestError, match="pinned by EncodedImage"):
         blocked.handle.result(0)
     assert launch_prefill(sc) == [small]
@@ -410,3 +415,76 @@ def test_a_follow_up_counts_only_what_its_prefill_computes():
     batch = launch_prefill(sc)
     assert batch == follow and all(s.start == 16 for s in follow)
     assert all(s.prompt_end - s.start == 4 for s in follow)
+
+
+def test_a_request_waiting_on_pins_is_served_when_they_are_released_in_time():
+    """Pins released within the grace period: the waiting request runs, nothing fails."""
+    sc = scheduler(pages=9, prefix_len=8)
+    sc.cache.insert(b"pinned", 6, (1, 1), pin=True)
+    blocked = seq(4 * 5, budget=1)
+    admit(sc, blocked)
+    assert launch_prefill(sc) == []
+    sc.check_stuck(idle=True, now=0.0)
+    sc.check_stuck(idle=True, now=sc.pin_wait_s - 0.01)
+    sc.cache.unpin(b"pinned")
+    sc.check_stuck(idle=True, now=sc.pin_wait_s + 1)   # nothing is stuck any more
+    assert not blocked.handle.done()
+    assert launch_prefill(sc) == [blocked]
+
+
+@dataclass(frozen=True)
+class FakeAdapter:
+    digest: bytes
+
+
+def with_adapter(s, name):
+    s.adapter = None if name is None else FakeAdapter(name.encode())
+    return s
+
+
+def finish(sc, seqs):
+    """Commit a stop token for each running row of `seqs` (all finish and release)."""
+    sc.commit(seqs, [0] * len(seqs), [(0, 0)] * len(seqs), 0.0)
+
+
+def test_a_plan_stopped_by_its_token_budget_holds_no_adapter_slot():
+    """The second request of a variant does not fit this launch's prefill budget: it must
+    hold no slot reference while it waits (a leaked one kept the slot held forever, and
+    every request for another variant waited forever behind it)."""
+    sc = scheduler(pages=40, rows=4, adapter_slots=1)
+    sc.prefill_tokens = 12
+    a1, a2 = with_adapter(seq(10), "A"), with_adapter(seq(10), "A")
+    admit(sc, a1, a2)
+    assert launch_prefill(sc) == [a1]            # a2 is over the budget of this launch
+    assert sc.adapters.refs[1] == 1              # a1's alone
+    finish(sc, [a1])
+    assert sc.adapters.refs[1] == 0
+    b = with_adapter(seq(4), "B")
+    admit(sc, b)
+    assert launch_prefill(sc) == [a2]            # arrival order
+    finish(sc, [a2])
+    assert launch_prefill(sc) == [b] and sc.adapters.holds[1].digest == b"B"
+
+
+def test_a_request_waiting_for_a_slot_gets_the_next_free_one_before_later_arrivals():
+    """One slot held by A's rows; B waits; more A requests keep arriving after B: they do
+    not take the slot (it would never come free); plain rows still go ahead.  Once A's rows
+    finish, B gets the slot, then the later A requests get it back."""
+    sc = scheduler(pages=60, rows=8, adapter_slots=1)
+    a1 = with_adapter(seq(4, budget=3), "A")
+    admit(sc, a1)
+    assert launch_prefill(sc) == [a1]
+    b = with_adapter(seq(4), "B")
+    a2, plain = with_adapter(seq(4), "A"), seq(4)
+    admit(sc, b, a2, plain)
+    assert launch_prefill(sc) == [plain]         # a2 waits behind b; the plain row runs
+    assert sc.slot_blocked() == b.id
+    finish(sc, [a1, plain])                      # A's last row releases the slot
+    assert launch_prefill(sc) == [b]
+    a3 = with_adapter(seq(4), "A")
+    admit(sc, a3)
+    assert launch_prefill(sc) == []              # a2 and a3 wait for b's row
+    finish(sc, [b])
+    assert launch_prefill(sc) == [a2, a3]
+    finish(sc, [a2, a3])
+    assert sc.adapters.in_use() == 0 and sc.slot_blocked() is None

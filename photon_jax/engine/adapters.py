@@ -4,12 +4,14 @@ Pure Python, no JAX.  An engine keeps `max_adapters` slots in device memory (slo
 zeros, is "no adapter").  A request naming an adapter takes a slot at admission: the slot
 already holding that adapter (shared by every row using it), else a free one -- never
 written, or the least recently used of those no row holds -- whose old adapter is dropped.
-When every slot holds an adapter some row still uses, the request waits (others behind it
-whose adapters are resident go ahead).  A slot is held from admission until the request's
-row is released (the last step reading it has committed), so a slot is rewritten only when
-no launched step can read it.  Slots are keyed by the adapter's contents (`Adapter.digest`):
-an adapter loaded again under the same name with other weights takes another slot, and the
-rows still using the old weights keep theirs.
+When every slot holds an adapter some row still uses, the request waits, and from then on
+no request that arrived after it takes a slot (`Scheduler.slot_blocked`), not even one whose
+adapter is resident: a slot whose adapter keeps receiving new rows would otherwise never come
+free.  Plain rows (slot 0) are not held back.  A slot is held from admission until the
+request's row is released (the last step reading it has committed), so a slot is rewritten
+only when no launched step can read it.  Slots are keyed by the adapter's contents
+(`Adapter.digest`): an adapter loaded again under the same name with other weights takes
+another slot, and the rows still using the old weights keep theirs.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ class AdapterSlots:
         self.idle.pop(s, None)
         self.refs[s] += 1
         return s
+
+    def can_take(self, adapter) -> bool:
+        """Would `acquire(adapter)` give a slot now?"""
+        return adapter is None or adapter.digest in self.slot_of or bool(self.idle)
 
     def stale(self, slot: int) -> bool:
         """Must the slot's device rows be written before a launch reads them?"""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import enum
 import itertools
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -149,7 +150,8 @@ class Scheduler:
     def __init__(self, *, max_batch_size: int, n_pages: int, page_size: int,
                  prefix_len: int, prefill_tokens: int, prefix_cache: bool = True,
                  record_events: bool = False, share_prefix: bool = False,
-                 prefill_cost=None, spatial_ids: tuple = (), adapter_slots: int = 0):
+                 prefill_cost=None, spatial_ids: tuple = (), adapter_slots: int = 0,
+                 pin_wait_s: float = 10.0):
         self.max_batch_size, self.page_size = max_batch_size, page_size
         self.prefill_tokens = prefill_tokens
         self.prefill_cost = prefill_cost or (lambda rows, longest: rows * longest)
@@ -181,6 +183,10 @@ class Scheduler:
         # result also finds the step that produced it in the step log.
         self.outbox = Outbox()
         self.adapters = AdapterSlots(adapter_slots)
+        # How long requests wait for pages pinned by EncodedImage handles, with no row
+        # running, before they fail (`check_stuck`), and since when they have waited.
+        self.pin_wait_s = pin_wait_s
+        self.pinned_since: float | None = None
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -341,6 +347,7 @@ class Scheduler:
     def next_encode(self):
         """The next encode job that can run now, with its source: a hit, or a miss with its
         pinned new entry; None when none can (they wait for images or pages)."""
+        blocked = self.slot_blocked()
         for s in list(self.encodes):
             if not self.resolve(s):
                 continue
@@ -353,8 +360,11 @@ class Scheduler:
                 return s, src
             # A variant's prefix is computed under its adapter: the encode holds the
             # adapter's slot until it is launched (`Engine._run_encodes` releases it).
+            if s.adapter is not None and blocked is not None and s.id > blocked:
+                continue   # an older request waits for a slot: it gets the next free one
             slot = self.adapters.acquire(s.adapter)
             if slot is None:
+                blocked = s.id if blocked is None else blocked
                 continue   # every slot is held: waits for one
             if self.alloc.available() < self.prefix_pages:
                 self.evict_for(self.prefix_pages)
@@ -366,6 +376,22 @@ class Scheduler:
             self.cache.count_miss()
             return s, Source(Origin.MISS, entry)
         return None
+
+    def slot_blocked(self) -> int | None:
+        """The id of the oldest request (prefill or encode) whose adapter cannot have a slot
+        now, every slot being held; None when there is none.  Requests that arrived after it
+        take no slot until it has one: the rows holding slots finish within their budgets,
+        the least recently used slot comes free, and it goes to this request, however
+        many requests for the resident adapters keep arriving."""
+        a = self.adapters
+        if not a.n or a.idle:   # no slots, or a free one: nobody waits for one
+            return None
+        ids = [s.id for s in self.waiting
+               if s.adapter is not None and s.ready and not a.can_take(s.adapter)]
+        ids += [s.id for s in self.encodes
+                if s.adapter is not None and s.ready and not a.can_take(s.adapter)
+                and s.key not in self.cache.entries]
+        return min(ids, default=None)
 
     # -- launch ---------------------------------------------------------------------------
 
@@ -385,6 +411,7 @@ class Scheduler:
         if not self.free_rows or (decode_waiting and self.last_kind == "prefill"):
             return []
         batch, tokens, longest, keep = [], 0, 0, set()
+        blocked = self.slot_blocked()
         for s in list(self.waiting):
             if not self.resolve(s):
                 continue
@@ -398,9 +425,12 @@ class Scheduler:
                 continue
             if src is LATER:
                 continue
-            slot = self.adapters.acquire(s.adapter)
-            if slot is None:   # every adapter slot is held by running rows: wait
-                continue
+            if s.adapter is not None:
+                if blocked is not None and s.id > blocked:
+                    continue   # an older request waits for a slot: it gets the next free one
+                if not self.adapters.can_take(s.adapter):
+                    blocked = s.id if blocked is None else blocked
+                    continue   # every adapter slot is held by running rows: wait
             hit = src is not None and src.hit
             text = self.text_hit(s, src)
             first = s.prefix // self.page_size
@@ -415,6 +445,10 @@ class Scheduler:
             if batch and (tokens + own > self.prefill_tokens or
                           self.prefill_cost(len(batch) + 1, wide) > self.prefill_tokens):
                 break
+            # Taken only now, past every check that can still leave the request out of
+            # this launch (a slot taken before the budget check above was never given back
+            # when the budget stopped the plan: the slot stayed held forever).
+            slot = self.adapters.acquire(s.adapter)
             self.text.use(text)   # pinned now: admission's evictions must not take them
             read = 0 if self.copy_text else len(text)   # cached pages read in place
             if not self.admit_pages(s, keep, (self.shared_pages if hit else 0) + read):
@@ -585,29 +619,42 @@ class Scheduler:
                 self.finalize(s, "cancelled")
         self.flush_outbox()
 
-    def check_stuck(self, idle: bool) -> None:
+    def check_stuck(self, idle: bool, now: float | None = None) -> None:
         """With nothing in flight (`idle`): fail loudly on rows that can never move (a
-        scheduler bug), and fail alone each request waiting for pages nothing will ever
-        free (the rest of the pool is pinned by EncodedImage handles)."""
+        scheduler bug); and when no row runs and requests wait for pages that only the
+        EncodedImage handles' pins could free, fail each such request alone once that state
+        has lasted `pin_wait_s` seconds (its holders may release the pins any moment: a
+        thread that encodes, asks and releases is a normal client, not a stuck one)."""
+        now = time.monotonic() if now is None else now
         if not idle:
+            self.pinned_since = None
             return
         if self.running and not any(s.inflight_refs or s.handle.cancel_requested
                                     for s in self.running):
             if not self.eligible():
                 raise EngineError(f"scheduler stuck with {len(self.running)} resident rows")
         if self.running:
+            self.pinned_since = None
             return
-        for q in (self.waiting, self.encodes):
-            for s in list(q):
-                free = (self.alloc.available() + self.cache.evictable_pages()
-                        + self.text.evictable_pages())
-                if s.ready and s.need_pages > free:
-                    q.remove(s)
-                    pinned = self.cache.pages() - self.cache.evictable_pages()
-                    self.outbox.result(s.handle, error=RequestError(
-                        f"this request needs {s.need_pages} KV pages and only {free} can be "
-                        f"freed: {pinned} are pinned by EncodedImage handles; release them or "
-                        "raise kv_cache_tokens"))
+        free = (self.alloc.available() + self.cache.evictable_pages()
+                + self.text.evictable_pages())
+        stuck = [(q, s) for q in (self.waiting, self.encodes) for s in q
+                 if s.ready and s.need_pages > free]
+        if not stuck:
+            self.pinned_since = None
+            return
+        if self.pinned_since is None:
+            self.pinned_since = now
+        if now - self.pinned_since < self.pin_wait_s:
+            return
+        pinned = self.cache.pages() - self.cache.evictable_pages()
+        for q, s in stuck:
+            q.remove(s)
+            self.outbox.result(s.handle, error=RequestError(
+                f"this request needs {s.need_pages} KV pages and only {free} can be freed: "
+                f"{pinned} are pinned by EncodedImage handles and none was released in "
+                f"{self.pin_wait_s:g} s; release them or raise kv_cache_tokens"))
+        self.pinned_since = None
         self.flush_outbox()
 
     def fail_all(self, err: BaseException) -> None:
