@@ -62,6 +62,8 @@ if TYPE_CHECKING:
 # array, or an EncodedImage of this model.
 ImageLike = Union[str, os.PathLike, bytes, "PIL.Image.Image", "np.ndarray", EncodedImage]
 
+# Adapter slots a model loaded without `max_adapters` makes when it first needs them.
+DEFAULT_ADAPTER_SLOTS = 4
 NEED_IMAGE = ("image is required; pass a path, PIL image, HxWx3 uint8 array or an "
               "EncodedImage")
 
@@ -148,16 +150,21 @@ class Moondream:
             loaded now; requests pick one with settings={"variant": name}.  A variant id
             not loaded is looked up in the reference's cache folder (`md_variants/<id>/
             final.pt`) and downloaded where the reference would download it.
-        max_adapters: adapter slots on the device, one per adapter in use at a time (None:
-            4 if `adapters` is given, else 0: programs without adapter products).
+        max_adapters: adapter slots on the device, one per adapter in use at a time.
+            None (the default): max(4, len(adapters)) made now if `adapters` is given, else
+            4 made on first need -- the first `load_adapter` or variant request allocates
+            them and the programs compile again with adapter products (logged once); until
+            then nothing runs or compiles differently, and only their bytes are set aside in
+            the memory plan (docs/lora.md).  0: no slots, variants refused.
         max_lora_rank: the largest adapter rank a slot holds (smaller ones are padded;
             Moondream 3's experts hold max_lora_rank / experts_per_token each, as kestrel).
         Nothing is downloaded but a hub id's files missing from the Hugging Face cache (and
         the starmie tokenizer, when the snapshot lacks it) and variants named by requests,
         unless HF_HUB_OFFLINE is set.
         """
+        on_demand = max_adapters is None and not adapters
         if max_adapters is None:
-            max_adapters = max(4, len(adapters)) if adapters else 0
+            max_adapters = max(4, len(adapters)) if adapters else DEFAULT_ADAPTER_SLOTS
         if adapters is not None and not isinstance(adapters, dict):
             raise TypeError(f"adapters must be a dict name -> path, got "
                             f"{type(adapters).__name__}")
@@ -196,10 +203,13 @@ class Moondream:
                                      page_size=64, kv_cache_tokens=kv_cache_tokens,
                                      free=memory.device_free(dev), kv_dtype=kv,
                                      mesh_size=1 if mesh is None else mesh.size,
+                                     # (on-demand slots: the engine's plan sets their
+                                     # bytes aside where they fit, `Engine`)
                                      adapter_bytes=lora.table_bytes(cfg, max_adapters,
                                                                     max_lora_rank)
                                      if isinstance(max_adapters, int) and max_adapters > 0
-                                     and isinstance(max_lora_rank, int) else 0),
+                                     and isinstance(max_lora_rank, int) and not on_demand
+                                     else 0),
                          cfg, max_context=max_context or cfg.text.max_context,
                          weights_loaded=False)
 
@@ -209,7 +219,8 @@ class Moondream:
                         kv_cache_tokens=kv_cache_tokens, prefix_cache=prefix_cache,
                         pipelined=pipelined, workers=workers, warmup=warmup,
                         kv_dtype=kv_dtype, max_adapters=max_adapters,
-                        max_lora_rank=max_lora_rank, adapters=registry)
+                        max_lora_rank=max_lora_rank, adapters=registry,
+                        adapters_on_demand=on_demand)
         if warmup:
             try:
                 engine.wait_warm()
@@ -448,13 +459,14 @@ class Moondream:
         Loading another file under a loaded name replaces it for new requests."""
         engine = self.engine
         if not engine.max_adapters:
-            raise ValueError("this model was loaded without adapter slots; load it with "
-                             "max_adapters > 0 (or adapters={...})")
+            raise ValueError(f"cannot load adapter {name!r}: {engine.no_slots}")
         if not isinstance(name, str) or not name or len(name) > 256:
             raise ValueError(f"adapter name must be a non-empty string of at most 256 "
                              f"characters, got {str(name)[:80]!r}")
-        engine.adapters[name] = adapters_mod.read_adapter(
-            path, self._m.cfg, name=name, max_rank=engine.max_lora_rank)
+        adapter = adapters_mod.read_adapter(path, self._m.cfg, name=name,
+                                            max_rank=engine.max_lora_rank)
+        engine.enable_adapters()   # the first adapter: the slots' tables, made once
+        engine.adapters[name] = adapter
 
     def unload_adapter(self, name: str) -> None:
         """Forget the adapter `name` (its host copy): new requests for it are refused (or,

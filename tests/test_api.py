@@ -11,6 +11,7 @@ from PIL import Image
 
 from photon_jax import Moondream
 from photon_jax.api import BatchError
+from photon_jax.convert.adapters import AdapterError
 from photon_jax.engine.request import RequestError
 from photon_jax.engine.settings import SettingsError
 from photon_jax.model.checkpoint import CheckpointError
@@ -139,11 +140,15 @@ def test_bad_settings(md, settings, match):
         md.caption(LAND, settings=settings)
 
 
-def test_a_variant_without_adapter_slots_is_refused_by_name(md):
-    """A model loaded without adapters has no slots: a variant is refused before anything
-    runs (tests/test_lora.py covers adapters)."""
-    with pytest.raises(RequestError, match="variant 'abc'.*no adapter slots"):
+def test_an_unknown_variant_is_refused_by_name_and_changes_nothing(md, monkeypatch, tmp_path):
+    """A model loaded with no adapter options takes variants (its slots come on first
+    need, tests/test_lora.py); one that is not loaded and cannot be found offline is
+    refused by name before anything runs, and no slot tables are made for it."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(AdapterError, match="variant 'abc' is not loaded.*HF_HUB_OFFLINE"):
         md.caption(LAND, "short", settings={"variant": "abc", **GREEDY})
+    assert md.engine.lora is None and md.adapters == []
 
 
 def test_bad_inputs(md, tmp_path):

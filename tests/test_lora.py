@@ -296,7 +296,7 @@ def test_rank_over_the_limit_and_unloaded_variants_are_refused(md, tmp_path):
         md.engine.submit(_requests(md.engine.model, ["nope"])[0]).result(timeout=60)
     eng = Engine(md.engine.model, max_batch_size=2)
     try:
-        with pytest.raises(RequestError, match="no adapter slots"):
+        with pytest.raises(RequestError, match="ft-beta@7.*no adapter slots"):
             eng.submit(_requests(md.engine.model, ["ft-beta@7"])[0]).result(timeout=60)
     finally:
         eng.close()
@@ -323,6 +323,48 @@ def test_a_variant_id_is_read_from_the_reference_cache_folder_and_never_fetched_
             md.caption(SQ, settings={"variant": "missing@1"})
     finally:
         md.engine.adapters[name] = saved
+
+
+def test_a_model_loaded_with_no_adapter_options_serves_variants_on_first_need(
+        tiny_ckpt, tmp_path, monkeypatch, caplog):
+    """Moondream.load with nothing about adapters: plain requests run the programs without
+    adapter products (no slot tables exist), while the plan sets the default slots' bytes
+    aside; the first variant request (an id from the reference's cache folder) makes the
+    tables, logs it once, and gets the reference's outputs; plain requests still do, and so
+    do later variants through load_adapter."""
+    cache = tmp_path / "hub"
+    os.makedirs(cache / "md_variants" / "ft-alpha@100")
+    shutil.copy(FINAL_PT["ft-alpha@100"], cache / "md_variants" / "ft-alpha@100" / "final.pt")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with Moondream.load(tiny_ckpt, max_batch_size=4) as m:
+        base = GOLDEN["runs"]["base"]["sq378"]
+        assert _same(_run(m, "caption_short", SQ, None), base["caption_short"])
+        assert m.engine.lora is None
+        mem = m.engine.memory()
+        assert mem["adapter_slots"] == 4
+        assert mem["adapter_tables"] == lora.table_bytes(m.config, 4, 16) > 0
+        with caplog.at_level("INFO", logger="photon_jax.engine.core"):
+            for v in VARIANTS:
+                if v == "ft-beta@7":   # the other way in: loaded by path
+                    m.load_adapter(v, FINAL_PT[v])
+                want = GOLDEN["runs"][v]["sq378"]
+                for case in ("caption_short", "query", "point"):
+                    assert _same(_run(m, case, SQ, v), want[case]), (v, case)
+        assert m.engine.lora is not None
+        assert sum("adapter slots enabled" in r.message for r in caplog.records) == 1
+        for case in ("caption_short", "detect"):
+            assert _same(_run(m, case, SQ, None), base[case]), case
+        assert m.engine.stats()["adapters"]["slots_in_use"] == 0
+
+
+def test_max_adapters_0_refuses_variants_naming_the_option(tiny_ckpt):
+    with Moondream.load(tiny_ckpt, max_batch_size=2, max_adapters=0) as m:
+        with pytest.raises(ValueError, match="max_adapters=0"):
+            m.load_adapter("a", FINAL_PT["ft-alpha@100"])
+        with pytest.raises(RequestError, match="'x'.*max_adapters=0"):
+            m.engine.submit(_requests(m.engine.model, ["x"])[0]).result(timeout=60)
+        assert m.engine.memory()["adapter_tables"] == 0
 
 
 def test_a_missing_variant_is_downloaded_where_and_as_the_reference_downloads_it(

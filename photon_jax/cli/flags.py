@@ -67,8 +67,8 @@ def add_engine_flags(ap: argparse.ArgumentParser, *, warmup: bool,
                         "Requests select one with the variant setting")
     g.add_argument("--max-adapters", type=int, default=None, metavar="N",
                    help="adapter slots on the device: adapters in use at one time (default: "
-                        "4 when --adapter is given, else 0: no adapter products in the "
-                        "programs; a variant id not loaded is then refused)")
+                        "4, made when the first adapter is loaded: until then the programs "
+                        "have no adapter products; 0: none, a variant is refused)")
     g.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
                    help="the largest adapter rank the slots hold (default 16)")
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 import queue
 import threading
 import time
@@ -102,7 +103,8 @@ class Engine:
                  record_events: bool = False, warmup: bool = False,
                  prefill_drains: bool = False, host_work_ms: float = 0.0,
                  kv_dtype: str | None = None, programs: step_mod.EnginePrograms | None = None,
-                 max_adapters: int = 0, max_lora_rank: int = 16, adapters: dict | None = None):
+                 max_adapters: int = 0, max_lora_rank: int = 16, adapters: dict | None = None,
+                 adapters_on_demand: bool = False):
         cfg = model.cfg
         if not isinstance(max_adapters, int) or isinstance(max_adapters, bool) or \
                 not 0 <= max_adapters <= 256:
@@ -110,8 +112,17 @@ class Engine:
         if not isinstance(max_lora_rank, int) or isinstance(max_lora_rank, bool) or \
                 not 1 <= max_lora_rank <= 512:
             raise ValueError(f"max_lora_rank must be an int in [1, 512], got {max_lora_rank!r}")
+        # Why this engine has no adapter slots when a request names a variant (None: it has).
+        self.no_slots = None if max_adapters else (
+            "this engine was started with max_adapters=0 (no adapter slots); load the model "
+            "without max_adapters (slots come on first use) or with max_adapters > 0 "
+            "(--max-adapters)")
         if max_adapters and lora.supported(cfg, max_lora_rank) is not None:
-            raise ValueError(f"max_adapters={max_adapters}: {lora.supported(cfg, max_lora_rank)}")
+            if not adapters_on_demand:
+                raise ValueError(f"max_adapters={max_adapters}: "
+                                 f"{lora.supported(cfg, max_lora_rank)}")
+            self.no_slots = lora.supported(cfg, max_lora_rank)
+            max_adapters = 0
         # The LoRA adapters requests may name (name -> `convert.adapters.Adapter`; the face
         # that loads them shares this dict) and the slots that hold them on the device.
         self.max_adapters, self.max_lora_rank = max_adapters, max_lora_rank
@@ -138,15 +149,34 @@ class Engine:
         self.sms = getattr(self.device, "core_count", None) if plat.plans_splits else None
         # Memory: planned from shapes and the device's free memory (the weights are placed
         # already), refused with numbers if it cannot work.
-        self.plan = memory.check(
-            memory.plan(cfg, platform=plat, max_batch_size=max_batch_size,
-                        max_context=ctx, page_size=page_size, kv_cache_tokens=kv_cache_tokens,
-                        free=memory.device_free(self.device), weights_loaded=True,
-                        kv_dtype=self.kv_dtype, prefill_tokens=prefill_tokens,
-                        mesh_size=1 if model.tp is None else model.tp.n,
-                        adapter_bytes=lora.table_bytes(cfg, max_adapters, max_lora_rank)
-                        if max_adapters else 0),
-            cfg, max_context=ctx, weights_loaded=True)
+        free = memory.device_free(self.device)
+
+        def planned(slots: int) -> memory.MemoryPlan:
+            return memory.check(
+                memory.plan(cfg, platform=plat, max_batch_size=max_batch_size,
+                            max_context=ctx, page_size=page_size,
+                            kv_cache_tokens=kv_cache_tokens, free=free, weights_loaded=True,
+                            kv_dtype=self.kv_dtype, prefill_tokens=prefill_tokens,
+                            mesh_size=1 if model.tp is None else model.tp.n,
+                            adapter_bytes=lora.table_bytes(cfg, slots, max_lora_rank)
+                            if slots else 0),
+                cfg, max_context=ctx, weights_loaded=True)
+
+        # On-demand slots are planned (their tables' bytes set aside, so the first variant
+        # request always finds room) but allocated, and the programs compiled with adapter
+        # products, only when the first adapter is loaded (`enable_adapters`).  A plan that
+        # fits only without them keeps the model loadable and says so to a variant request.
+        try:
+            self.plan = planned(max_adapters)
+        except memory.MemoryError_ as e:
+            if not (adapters_on_demand and max_adapters):
+                raise
+            self.plan = planned(0)
+            self.no_slots = (f"no device memory was left for {max_adapters} adapter slots "
+                             f"({e}); lower kv_cache_tokens (--kv-cache-tokens) or "
+                             "max_batch_size so they fit, or pass max_adapters")
+            max_adapters = 0
+        self.max_adapters = max_adapters
         self.page_size, self.arenas = page_size, self.plan.arenas
         self.sweep = plat.sweeps   # page owners uploaded per step
         self.max_pages = pages_for(ctx, page_size)   # a row's page table
@@ -160,10 +190,9 @@ class Engine:
         # dense layers' outputs are gathered whole, `sharding`): each chip computes every
         # row's adapter product in full, as one chip does, so the sums are one chip's.
         self.lora = None
-        if max_adapters:
-            with jax.default_device(self.device):
-                self.lora = jax.device_put(lora.init_tables(cfg, max_adapters, max_lora_rank),
-                                           self.placement)
+        self._lora_lock = threading.Lock()
+        if max_adapters and not adapters_on_demand:
+            self.enable_adapters()
         self.sched = Scheduler(max_batch_size=max_batch_size, n_pages=self.arenas.n_pages,
                                page_size=page_size, prefix_len=cfg.prefix_len,
                                prefill_tokens=prefill_tokens, prefix_cache=prefix_cache,
@@ -613,15 +642,40 @@ class Engine:
         return frontend.encode_prepared(self.programs.image_kv, self.model.params, prep, *extra)
 
     def adapter(self, name: str):
-        """The loaded adapter `name` (a request's settings["variant"]), refused by name."""
+        """The loaded adapter `name` (a request's settings["variant"]), refused by name.
+        Its slot tables exist once this returns (made now, on first need)."""
         if not self.max_adapters:
-            raise RequestError(f"variant {name!r}: this engine has no adapter slots; load the "
-                               "model with max_adapters > 0 (--max-adapters)")
+            raise RequestError(f"variant {name!r}: {self.no_slots}")
         a = self.adapters.get(name)
         if a is None:
             raise RequestError(f"variant {name!r} is not loaded; loaded: "
                                f"{sorted(self.adapters)[:20]} (load_adapter(name, path))")
+        self.enable_adapters()
         return a
+
+    def enable_adapters(self) -> None:
+        """Allocate the adapter slots' tables (zeros: slot 0 is "no adapter"), once; any
+        thread.  From the next launch on, the programs take them as their last argument and
+        compile again with the adapter products (once per shape, as on first use).  Rows
+        already running go on at slot 0, which adds exact zeros.  A request naming an
+        adapter is only queued after this returned (`adapter`), so no launch can read a slot
+        before its tables exist."""
+        if self.lora is not None:
+            return
+        if not self.max_adapters:
+            raise RequestError(self.no_slots)
+        with self._lora_lock:
+            if self.lora is not None:
+                return
+            with jax.default_device(self.device):
+                tables = jax.device_put(lora.init_tables(self.cfg, self.max_adapters,
+                                                         self.max_lora_rank), self.placement)
+            # One assignment: the scheduler thread reads None or the tables, never half.
+            self.lora = tables
+        logging.getLogger(__name__).info(
+            "adapter slots enabled: %d slots of rank %d (%.1f MiB); programs compile again "
+            "with adapter products", self.max_adapters, self.max_lora_rank,
+            self.plan.adapters / 2**20)
 
     def _write_adapters(self, batch: list[Seq]) -> None:
         """Write the adapters this launch reads into their slots (a device write between
