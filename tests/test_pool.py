@@ -559,3 +559,37 @@ def test_load_refuses_before_reading_the_weights(tiny_ckpt, monkeypatch):
     with pytest.raises(memory.MemoryError_, match=r"does not fit the device: weights .* "
                                                   r"Lower kv_cache_tokens"):
         Moondream.load(tiny_ckpt, kv_cache_tokens=1_000_000, compile_cache=False)
+
+
+def test_on_demand_adapter_slots_that_do_not_fit_leave_the_model_loadable(model, monkeypatch):
+    """The bytes set aside for on-demand LoRA slots must not refuse a model that fits
+    without them: the engine starts without slots, and a variant request is refused naming
+    the settings that make room (a plan that fits with them keeps them)."""
+    from photon_jax.engine.request import RequestError
+    from photon_jax.model import lora
+
+    kw = dict(max_batch_size=2, kv_cache_tokens=4096, max_lora_rank=512)
+    tables = lora.table_bytes(model.cfg, 4, 512)
+    bare = Engine(model, **kw)
+    try:
+        need = bare.plan.total - bare.plan.weights   # what the plan asks of the device
+    finally:
+        bare.close()
+    monkeypatch.setattr(memory, "device_free", lambda device: need + tables // 2)
+    eng = Engine(model, max_adapters=4, adapters_on_demand=True, **kw)
+    try:
+        assert eng.max_adapters == 0 and eng.plan.adapters == 0
+        with pytest.raises(RequestError, match="no device memory was left for 4 adapter "
+                                               "slots.*lower kv_cache_tokens"):
+            eng.adapter("anything")
+    finally:
+        eng.close()
+    monkeypatch.setattr(memory, "device_free", lambda device: need + 2 * tables)
+    eng = Engine(model, max_adapters=4, adapters_on_demand=True, **kw)
+    try:
+        assert eng.max_adapters == 4 and eng.plan.adapters == tables and eng.lora is None
+    finally:
+        eng.close()
+    with pytest.raises(memory.MemoryError_):   # asked for by number: refused, as before
+        monkeypatch.setattr(memory, "device_free", lambda device: need + tables // 2)
+        Engine(model, max_adapters=4, **kw)
