@@ -84,8 +84,6 @@ def run(args: argparse.Namespace) -> job.Summary:
         raise UsageError(msg)
     if args.variant and args.max_adapters == 0:
         raise UsageError("--variant needs adapter slots; drop --max-adapters 0")
-    if args.variant and args.max_adapters is None:
-        args.max_adapters = 4   # a variant id from the cache folder needs a slot
     return job.run(args, engine_options(args))
 
 
