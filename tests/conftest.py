@@ -11,7 +11,8 @@ import tempfile
 import numpy as np
 import pytest
 
-from helpers import FIXTURE_DIR, MD3_FIXTURE_DIR, SUITE_GC_THRESHOLD, suite_xla_flags
+from helpers import (FIXTURE_DIR, MD3_FIXTURE_DIR, SUITE_GC_THRESHOLD, SUITE_MAPPINGS_SHARE,
+                     release_programs, suite_xla_flags)
 
 # One persistent XLA compilation cache for the session, shared with the subprocesses the CLI
 # and benchmark tests start (set before JAX is imported): each program compiles once per
@@ -53,6 +54,28 @@ HEAVY_FIRST = ("test_bench.py", "test_mesh.py", "test_mesh_two.py", "test_captio
                "test_gpu_lowering.py", "test_quantized.py", "test_moe.py",
                "test_serve_abuse.py", "test_invariants.py", "test_md3_engine.py",
                "test_engine.py", "test_kv8.py", "test_pool.py")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _mapping_guard():
+    """After each file, a worker holding more than half its memory-mapping limit frees its
+    compiled programs (recompiled, or read from the persistent cache, where needed again):
+    at the limit XLA:CPU's compiles fail and the worker can crash (docs/testing.md, "The
+    worker crashes").  PHOTON_JAX_TEST_MAPS_LOG names a file that gets each file's count."""
+    yield
+    from photon_jax.engine import hostmem
+
+    room = hostmem.mapping_headroom()
+    if room is None:
+        return
+    released = room[0] > SUITE_MAPPINGS_SHARE * room[1]
+    if released:
+        release_programs()
+    log = os.environ.get("PHOTON_JAX_TEST_MAPS_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {room[0]} {room[1]} {'released' if released else ''} "
+                    f"-> {hostmem.mappings_in_use()}\n")
 
 
 def pytest_collection_modifyitems(config, items):

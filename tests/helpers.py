@@ -31,8 +31,16 @@ GREEDY = {"temperature": 0, "max_tokens": 6}
 # And Eigen's matrix products on one thread: the suite runs two workers and their
 # subprocesses on two cores, where each process's Eigen pool (as wide as the machine) spun
 # and switched against the others' (the two mesh processes side by side: 92.7 s -> 86.5 s).
+# And each program's code in one object file instead of XLA's parallel-codegen parts: a
+# worker compiles thousands of programs, every object file holds ~3 memory mappings, and a
+# worker that reached Linux's vm.max_map_count crashed (docs/testing.md, "The worker
+# crashes"); one part halved a warmed tiny engine's mappings (3,290 -> 1,285) and compiled
+# no slower (8.7-9.2 s against 9.2-10.2 s).
 SUITE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
-               "--xla_cpu_multi_thread_eigen=false")
+               "--xla_cpu_multi_thread_eigen=false", "--xla_cpu_parallel_codegen_split_count=1")
+# conftest.py releases a worker's compiled programs between files past this share of its
+# mapping limit.
+SUITE_MAPPINGS_SHARE = 0.5
 # Python's cyclic garbage collector less often in the suite's own processes (conftest.py,
 # mesh_check.py): tracing and lowering allocate millions of short-lived objects, and at
 # Python's default (700, 10, 10) one process spent 3.8-4.1 s of 77 s collecting in
@@ -737,3 +745,23 @@ def mesh_assert_same(got: dict, want: dict, what: str) -> None:
     assert set(got) == set(want)
     for key in want:
         assert got[key] == want[key], f"{what}: {key} differs"
+
+
+def release_programs() -> None:
+    """Free every compiled program this process holds that nothing else references: jax's
+    caches, photon_jax's per-model and per-config program caches, then a collection (the
+    suite's raised GC threshold keeps cycles, and executables in them, alive longer).  The
+    suite calls it between files once a worker holds half its mapping limit (conftest.py;
+    docs/testing.md, "The worker crashes")."""
+    import gc
+
+    import jax
+
+    from photon_jax.engine import step
+
+    step._MODEL_PROGRAMS.clear()
+    step._MODEL_ORACLES.clear()
+    step._build.cache_clear()
+    step.build_oracle.cache_clear()
+    jax.clear_caches()
+    gc.collect()

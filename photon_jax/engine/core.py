@@ -53,7 +53,8 @@ from ..model.config import KIND_IMAGE
 from ..model.loaded import Model
 from ..model.pixels import pil_pixels
 from ..model.tokenizer import region_inputs
-from . import constraints, frontend, grammar, hostsync, kvpool, memory, skills, step as step_mod
+from . import constraints, frontend, grammar, hostmem, hostsync, kvpool, memory, skills, \
+    step as step_mod
 from .frontend import EncodedImage, ImagePrefix, PreparedImage
 from .inflight import PipelineState
 from .pages import pages_for
@@ -63,6 +64,7 @@ from .settings import parse as parse_settings
 from .stepmeta import M_TABLE, pack_decode, pack_prefill
 
 _I32 = np.int32
+_log = logging.getLogger(__name__)
 
 
 class StepTiming(NamedTuple):
@@ -445,6 +447,8 @@ class Engine:
         if self._thread.is_alive():
             raise EngineError(f"the scheduler did not stop within {timeout} s")
         self._pool.shutdown(wait=True)
+        if self.platform.host_memory:   # what it compiled on first use (hostmem says why)
+            hostmem.warn_mappings(_log)
         self.sched.cache.clear()
         self.sched.text.clear()
         for leaf in jax.tree.leaves(self.dev):
@@ -541,6 +545,7 @@ class Engine:
             if self._warmup:
                 self._compile_decode_shapes()
                 self._compile_prefill_shapes()
+                hostmem.warn_mappings(_log)   # many compiled programs: near the map limit?
             self._warm.set()
             while True:
                 self._wake.clear()

@@ -7,6 +7,15 @@ it can give without swapping: free pages plus the reclaimable cache and slabs) a
 container, the headroom under the cgroup's limit (v2 or v1, the process's cgroup and its
 ancestors), since exceeding that gets the process OOM-killed whatever the host has.  Where
 neither can be read, the free pages.  `memory.device_free` asks here for host platforms.
+
+And the other host limit a CPU process meets: its memory mappings (`mapping_headroom`).
+XLA:CPU keeps each compiled program's machine code in mappings of its own (about 3 per
+object file, up to `--xla_cpu_parallel_codegen_split_count` object files per program), so
+a process that compiles thousands of programs can reach Linux's `vm.max_map_count` (65,530
+by default).  There XLA's compiles fail ("LLVM compilation error: Cannot allocate memory"),
+and the failed ones leave their exception-unwinding tables registered over memory already
+unmapped, so the process's next C++ exception, anywhere, dies in libgcc's unwinder
+(docs/testing.md, "The worker crashes").  The engine warns before that.
 """
 
 from __future__ import annotations
@@ -150,3 +159,61 @@ def host_available(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/c
     known = [v for v in (meminfo_available(_read(meminfo) or ""),
                          cgroup_available(cgroup_root, self_cgroup)) if v is not None]
     return min(known) if known else free_pages()
+
+
+# Warn when a process's memory mappings pass this share of `vm.max_map_count`.
+MAPPINGS_WARN_SHARE = 0.8
+
+
+def mappings_in_use(maps: str = "/proc/self/maps") -> int | None:
+    """How many memory mappings this process holds (None: not Linux)."""
+    try:
+        with open(maps, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def max_mappings(path: str = "/proc/sys/vm/max_map_count") -> int | None:
+    """Linux's per-process mapping limit, `vm.max_map_count` (None: unknown)."""
+    return _int(_read(path))
+
+
+def mapping_headroom(maps: str = "/proc/self/maps",
+                     limit_path: str = "/proc/sys/vm/max_map_count") -> tuple[int, int] | None:
+    """(mappings in use, the limit), or None where either cannot be read."""
+    used, limit = mappings_in_use(maps), max_mappings(limit_path)
+    return None if used is None or not limit else (used, limit)
+
+
+def mappings_warning(maps: str = "/proc/self/maps",
+                     limit_path: str = "/proc/sys/vm/max_map_count") -> str | None:
+    """A warning naming the fix when this process holds more than `MAPPINGS_WARN_SHARE` of
+    its mapping limit, else None."""
+    room = mapping_headroom(maps, limit_path)
+    if room is None or room[0] <= MAPPINGS_WARN_SHARE * room[1]:
+        return None
+    used, limit = room
+    return (f"this process holds {used} memory mappings of the {limit} Linux allows it "
+            f"(vm.max_map_count); XLA:CPU keeps every compiled program's code in mappings of "
+            f"its own, and at the limit its compiles fail and the process can crash. Compile "
+            f"fewer programs in one process (fewer engines, configs or shape buckets), set "
+            f"XLA_FLAGS=--xla_cpu_parallel_codegen_split_count=1 (fewer mappings per "
+            f"program), or raise the limit (sysctl -w vm.max_map_count=262144).")
+
+
+_warned_mappings = False
+
+
+def warn_mappings(log) -> bool:
+    """Log `mappings_warning` once per process (engines call it after compiling); True if
+    it logged now."""
+    global _warned_mappings
+    if _warned_mappings:
+        return False
+    msg = mappings_warning()
+    if msg is None:
+        return False
+    _warned_mappings = True
+    log.warning("photon_jax: %s", msg)
+    return True
