@@ -409,8 +409,10 @@ def decode_cost(cfg, batch: int, position: int, page_size: int = 64, platform_: 
 # -- the three loops of a decode run, and the cost model (pipeline.py, gpu_md2.py) ----------
 
 def engine_run(model, enc, batch: int, steps: int, pipelined: bool, host_work_ms=0.0,
-               prompt_tokens: int = PROMPT_TOKENS):
-    """-> (decode tokens/s, host ms per decode step, its parts in ms)."""
+               prompt_tokens: int = PROMPT_TOKENS, burst: int = 1):
+    """-> (decode tokens/s, host ms per decode launch, its parts in ms; the parts also hold
+    `tokens_per_launch` (a row's tokens: `burst` for the engine's bursts) and
+    `host_us_per_token`: the host's time per committed token, all rows counted)."""
     import jax
 
     from photon_jax.engine.core import Engine
@@ -427,25 +429,32 @@ def engine_run(model, enc, batch: int, steps: int, pipelined: bool, host_work_ms
     eng = Engine(model, max_batch_size=batch, pipelined=pipelined, host_work_ms=host_work_ms,
                  prefill_tokens=max(batch * (model.cfg.prefix_len + prompt_tokens),
                                     prefill_row_bucket(batch, batch) * prompt_bucket(prompt_tokens)),
-                 kv_cache_tokens=tokens, kv_dtype=kv_dtype_of(model))
+                 kv_cache_tokens=tokens, kv_dtype=kv_dtype_of(model), decode_burst=burst)
     try:
         for h in eng.submit_many(requests(model, enc, batch, steps,
                                           prompt_tokens=prompt_tokens)):
             h.result(timeout=3600)
     finally:
         eng.close()
-    log = [s for s in eng.step_log() if s["kind"] == "decode"]
-    assert len(log) == steps and all(s["rows"] == batch for s in log), "unexpected schedule"
+    steps_log = eng.step_log()
+    log = [s for s in steps_log if s["kind"] in ("decode", "burst")]
+    per = [burst if s["kind"] == "burst" else 1 for s in log]   # a row's tokens per launch
+    assert sum(per) == steps and all(s["rows"] == batch for s in log), "unexpected schedule"
+    if len(log) == 1:   # one burst was the whole run: timed from the prefill's commit
+        log = [steps_log[steps_log.index(log[0]) - 1], log[0]]
+        per = [0, per[0]]
     # From the first decode commit to the last: in the pipelined loop the first decode step
     # is launched while the prefill still runs, which is not decode time.
     wall = log[-1]["t_end"] - log[0]["t_end"]
-    parts = {k: 1e3 * sum(s[k] for s in log[1:]) / (steps - 1)
+    launches, tokens = len(log) - 1, sum(per[1:])
+    parts = {k: 1e3 * sum(s[k] for s in log[1:]) / launches
              for k in ("launch_s", "finalize_s", "commit_s", "wait_s")}
-    # The host's whole share of a step: everything between two commits except the wait for
-    # the device (launch, finalize, commit, and the scheduler loop around them).
-    host = 1e3 * wall / (steps - 1) - parts.pop("wait_s")
-    parts["host_us_per_token"] = 1e3 * host / batch   # per committed token, all rows
-    return batch * (steps - 1) / wall, host, parts
+    # The host's whole share of a launch: everything between two commits except the wait
+    # for the device (launch, finalize, commit, and the scheduler loop around them).
+    host = 1e3 * wall / launches - parts.pop("wait_s")
+    parts["tokens_per_launch"] = tokens / launches
+    parts["host_us_per_token"] = 1e3 * host * launches / (batch * tokens)
+    return batch * tokens / wall, host, parts
 
 
 def ceiling_run(model, batch: int, steps: int, warm: bool = False,
@@ -520,7 +529,7 @@ def component_times(model, batch: int, steps: int, reps: int = 5,
 
 
 def measure(model, config: str, batch: int, steps: int, mode: str, reps: int,
-            prompt_tokens: int = PROMPT_TOKENS) -> dict:
+            prompt_tokens: int = PROMPT_TOKENS, bursts: tuple = ()) -> dict:
     import jax
 
     pt = {"prompt_tokens": prompt_tokens}
@@ -528,11 +537,14 @@ def measure(model, config: str, batch: int, steps: int, mode: str, reps: int,
     # Warm-up compiles every shape the loops use (both loops run the same programs); the
     # timed runs compile nothing.
     engine_run(model, enc, batch, steps, False, **pt)
+    for k in bursts:
+        engine_run(model, enc, batch, steps, True, burst=k, **pt)
     ceiling_run(model, batch, steps, warm=True, **pt)   # its first run compiles: not kept
-    # The three loops are timed side by side, `reps` times interleaved, and the median of
-    # each is reported, so slow drifts of a shared machine hit all three alike.
+    # The loops are timed side by side, `reps` times interleaved, and the median of each is
+    # reported, so slow drifts of a shared machine hit all of them alike.
     runs = {k: [] for k in ("blocking", "pipelined", "ceiling", "host_b", "host_p", "parts_b",
                             "us_tok_p")}
+    burst_runs = {k: {"tok_s": [], "host": [], "us_tok": []} for k in bursts}
     for _ in range(reps):
         tok_s, host, parts = engine_run(model, enc, batch, steps, False, **pt)
         runs["blocking"].append(tok_s)
@@ -542,6 +554,11 @@ def measure(model, config: str, batch: int, steps: int, mode: str, reps: int,
         runs["pipelined"].append(tok_s)
         runs["host_p"].append(host)
         runs["us_tok_p"].append(parts_p["host_us_per_token"])
+        for k in bursts:
+            tok_s, host, parts_k = engine_run(model, enc, batch, steps, True, burst=k, **pt)
+            burst_runs[k]["tok_s"].append(tok_s)
+            burst_runs[k]["host"].append(host)
+            burst_runs[k]["us_tok"].append(parts_k["host_us_per_token"])
         runs["ceiling"].append(ceiling_run(model, batch, steps, warm=True, **pt))
     b, p, c, hb, hp = (median(runs[k]) for k in ("blocking", "pipelined", "ceiling", "host_b",
                                                  "host_p"))
@@ -591,6 +608,11 @@ def measure(model, config: str, batch: int, steps: int, mode: str, reps: int,
         "pipelined_over_blocking": r(p / b), "pipelined_over_ceiling": r(p / c),
         "blocking_over_ceiling": r(b / c),
         "host_us_per_token": round(median(runs["us_tok_p"]), 1),
+        **{f"burst{k}": {"pipelined_tok_s": round(median(v["tok_s"]), 1),
+                         "pipelined_over_ceiling": r(median(v["tok_s"]) / c),
+                         "host_ms_per_launch": r(median(v["host"])),
+                         "host_us_per_token": round(median(v["us_tok"]), 1)}
+           for k, v in burst_runs.items()},
         "blocking_step_ms": r(b_ms), "pipelined_step_ms": r(p_ms),
         "predicted_blocking_ms": r(pred_b), "predicted_pipelined_ms": r(pred_p),
         "blocking_model_err": r(pred_b / b_ms - 1), "pipelined_model_err": r(pred_p / p_ms - 1),

@@ -235,6 +235,13 @@ def program_rows(device, batch: int, models, weights=None, lora_slots: int = 0,
                                                  dev.tables, stacked(a["meta"], 4),
                                                  stacked(a["owners"], 4), a["samp"], 1, *ad),
                           device, program="ceiling", **info)
+        # A decode burst of 4 steps (Engine(decode_burst=4), docs/host.md), sampled rows.
+        yield compile_row("program", P.burst[True], (params, dev.pool, dev.slots[0],
+                                                     dev.pending, dev.tables,
+                                                     stacked(a["meta"], 4),
+                                                     stacked(a["owners"], 4), a["samp"], 1,
+                                                     *ad),
+                          device, program="burst4", **info)
         # A prompt of 64 tokens after the image prefix, for 8 rows at once (the slot's rows
         # at most).
         rows, prompt = min(8, batch), 64

@@ -3,7 +3,11 @@
 For each (config, mode, batch) this prints one JSON line ("kind": "loops") with decode
 tokens/s of
   - the blocking loop   (the engine with pipelined=False: launch, sample, wait, commit),
-  - the pipelined loop  (the engine: commit t while forward t+1 runs),
+  - the pipelined loop  (the engine: commit t while forward t+1 runs), in single steps
+                         (decode_burst=1, the engine's default), and with each `--burst` k
+                         (default 4: k decode steps per launch, docs/host.md) as
+                         "burstK" {tokens/s, over the ceiling, host ms per launch, host us
+                         per committed token},
   - the ceiling         (the same forward + sample step iterated inside one jitted
                          `lax.scan`: the device alone, no host work at all),
 over the same fixed number of decode steps with EOS ignored, plus the measured parts of a
@@ -81,7 +85,8 @@ def host_work(model, config, batch, steps, mode, reps, work_ms) -> list[dict]:
 
 def zombies(config: str, batch: int, mode: str, mean_len: int = 60) -> dict:
     """Sampled lengths: EOS's bias is set so that a token is EOS with probability about
-    1/mean_len under the model's own logits (T = 1); every EOS finish rides one extra step."""
+    1/mean_len under the model's own logits (T = 1); every EOS finish rides one extra step
+    (with decode bursts, the rest of its burst and the next one: the engine's default)."""
     import numpy as np
 
     from photon_jax.engine.core import Engine
@@ -109,7 +114,9 @@ def zombies(config: str, batch: int, mode: str, mean_len: int = 60) -> dict:
     finally:
         eng.close()
     zombie = eng.counters["zombie_rows"]
-    rows = sum(x["rows"] for x in eng.step_log() if x["kind"] == "decode")
+    # Row-steps computed: a burst's rows each ran decode_burst steps.
+    rows = sum(x["rows"] * (eng.decode_burst if x["kind"] == "burst" else 1)
+               for x in eng.step_log() if x["kind"] in ("decode", "burst"))
     return {"kind": "zombies", "config": config, "batch": batch, "mode": mode,
             "requests": len(lens), "mean_output_tokens": round(float(np.mean(lens)), 1),
             "decode_rows": rows, "zombie_rows": zombie,
@@ -223,7 +230,8 @@ def child(args) -> None:
             models = [build_model(config, kv_dtype=kv, dtype=args.dtype) for kv in kv_dtypes]
         for batch in args.batch:
             for model in models:
-                emit(measure(model, config, batch, args.steps, args.mode, args.reps))
+                emit(measure(model, config, batch, args.steps, args.mode, args.reps,
+                             bursts=tuple(k for k in args.burst if k > 1)))
             if len(models) > 1:
                 emit(kv_side_by_side(models, config, batch, args.steps, args.mode,
                                      args.side_reps))
@@ -283,6 +291,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--steps", type=int, default=16, help="decode steps per run")
     ap.add_argument("--reps", type=int, default=2, help="timed repetitions (median)")
+    ap.add_argument("--burst", type=int, nargs="*", default=[4],
+                    help="also time the pipelined engine with these decode_burst values, "
+                         "side by side (a 'burstK' entry per value; the 'pipelined' loop "
+                         "runs single steps, decode_burst=1, the engine's default for now)")
     ap.add_argument("--modes", nargs="+", default=["default", "pinned"],
                     choices=["default", "pinned"])
     ap.add_argument("--host-work", type=float, nargs="*", default=None,
@@ -350,6 +362,8 @@ def main(argv=None) -> int:
             cmd += ["--weights", *args.weights, "--side-reps", str(args.side_reps)]
         if args.dtype:
             cmd += ["--dtype", args.dtype]
+        if args.burst:
+            cmd += ["--burst", *map(str, args.burst)]
         if args.host_work:
             cmd += ["--host-work", *map(str, args.host_work)]
         # The zombie tax is a property of the schedule, not of where XLA runs: one mode.

@@ -229,6 +229,11 @@ def program_calls(cfg, a: dict, batch: int, grouped: str | None = None, tp=None,
     for rows, meta in a["meta"].items():
         yield "forward", {"rows": rows}, P.forward, (params, dev.pool, dev.slots[0],
                                                     dev.pending, meta, a["owners"], 1, *ad)
+    # A decode burst of 4 steps of every row (Engine(decode_burst=4), docs/host.md).
+    four = lambda x: jax.ShapeDtypeStruct((4, *x.shape), x.dtype)  # noqa: E731
+    yield "burst4", {"rows": batch}, P.burst[True], (
+        params, dev.pool, dev.slots[0], dev.pending, dev.tables, four(a["meta"][batch]),
+        four(a["owners"]), a["samp"], 1, *ad)
     # Every variant without logprobs, and the widest one with them.
     for (stochastic, region, lp), prog in P.sample_step.items():
         if lp and not (stochastic and region):

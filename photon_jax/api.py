@@ -98,7 +98,7 @@ class Moondream:
              attention: str | None = None, kv_dtype: str | None = None, mesh=None,
              tensor_parallel: int | None = None, weights: str | None = None,
              adapters: dict | None = None, max_adapters: int | None = None,
-             max_lora_rank: int = 16) -> "Moondream":
+             max_lora_rank: int = 16, decode_burst: int | None = None) -> "Moondream":
         """Load a model and start its engine.  `path`: a directory written by
         `photon-convert`, a Hugging Face snapshot directory (config.json + model.safetensors
         or a sharded index), or a hub id such as "vikhyatk/moondream2" (`revision`: a branch,
@@ -158,6 +158,10 @@ class Moondream:
             the memory plan (docs/lora.md).  0: no slots, variants refused.
         max_lora_rank: the largest adapter rank a slot holds (smaller ones are padded;
             Moondream 3's experts hold max_lora_rank / experts_per_token each, as kestrel).
+        decode_burst: decode steps one launch runs for plain text rows (None: the
+            platform's, 1 for now; 4 puts a small model's batch-1 decode at the device's
+            ceiling), so the host's per-launch work is paid once per that many tokens; the
+            tokens are the same (docs/host.md).
         Nothing is downloaded but a hub id's files missing from the Hugging Face cache (and
         the starmie tokenizer, when the snapshot lacks it) and variants named by requests,
         unless HF_HUB_OFFLINE is set.
@@ -220,7 +224,7 @@ class Moondream:
                         pipelined=pipelined, workers=workers, warmup=warmup,
                         kv_dtype=kv_dtype, max_adapters=max_adapters,
                         max_lora_rank=max_lora_rank, adapters=registry,
-                        adapters_on_demand=on_demand)
+                        adapters_on_demand=on_demand, decode_burst=decode_burst)
         if warmup:
             try:
                 engine.wait_warm()

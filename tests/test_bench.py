@@ -145,7 +145,8 @@ def test_gpu_compile_script_lowers_every_program_without_the_cuda_plugin():
     rows = run("gpu_compile.py", "--lower-only", "--models", "tiny", "--batch", "4")
     assert rows and all(r["ok"] and r["lower_only"] for r in rows), rows
     programs = {r["program"] for r in rows if r["what"] == "program"}
-    assert programs == {"forward", "forward_s16", "ceiling", "prefill_slot", "prefill_slot_images",
+    assert programs == {"forward", "forward_s16", "ceiling", "burst4", "prefill_slot",
+                        "prefill_slot_images",
                         "image_kv", "write_prefix_pages",
                         "copy_pages",
                         "sample_step(False, False)", "sample_step(False, True)",
@@ -381,9 +382,12 @@ def test_tpu_compile_lower_only_lowers_every_serving_program_for_tpu():
     assert "sample_step(True, True)_logprobs" in progs
     # 4 variants, the widest with logprobs, the masked
     assert sum(p.startswith("sample_step") for p in progs) == 6
-    # The tiny config's two layers, at every row bucket; nothing else calls a TPU kernel.
+    # The tiny config's two layers, at every row bucket, and in a decode burst's scanned
+    # step; nothing else calls a TPU kernel.
     assert [r["tpu_kernels"] for r in rows if r["program"] == "forward"] == [2, 2, 2]
-    assert {r["tpu_kernels"] for r in rows if r["program"] != "forward"} == {0}
+    assert [r["tpu_kernels"] for r in rows if r["program"] == "burst4"] == [2]
+    assert {r["tpu_kernels"] for r in rows
+            if r["program"] not in ("forward", "burst4")} == {0}
 
 
 # Optimized XLA:TPU HLO of `jax.lax.while_loop(lambda s: s[0] < n, ...)` (n an argument)

@@ -138,24 +138,31 @@ def test_no_host_sync_in_launch_and_finalize(model, encoded):
         finally:
             eng.close()
         assert all(o["finish_reason"] in ("stop", "length", "max_objects") for o in outs)
-        # Negative control: a launch path with a hidden sync fails its requests loudly.
-        eng = Engine(model, max_batch_size=4)
-        real = eng.programs
+        # Negative control: a launch path with a hidden sync fails its requests loudly,
+        # single steps (forward) and bursts alike.
+        for burst in (1, 4):
+            eng = Engine(model, max_batch_size=4, decode_burst=burst)
+            real = eng.programs
 
-        class Syncing:
-            def __getattr__(self, name):
-                return getattr(real, name)
+            def syncing(program, meta_at):
+                def call(*args):
+                    args[meta_at].tolist()   # the kind of bug the detector exists for
+                    return program(*args)
+                return call
 
-            def forward(self, *args):
-                args[4].tolist()   # the kind of bug the detector exists for
-                return real.forward(*args)
+            class Syncing:
+                def __getattr__(self, name):
+                    return getattr(real, name)
 
-        eng.programs = Syncing()
-        h = eng.submit(Request("text", model.prompts.caption("short"), encoded[0],
-                               Settings(max_tokens=5)))
-        with pytest.raises(EngineError, match="host sync"):
-            h.result(timeout=120)
-        eng.close()
+                forward = staticmethod(syncing(real.forward, 4))
+                burst = {st: syncing(p, 5) for st, p in real.burst.items()}
+
+            eng.programs = Syncing()
+            h = eng.submit(Request("text", model.prompts.caption("short"), encoded[0],
+                                   Settings(max_tokens=9)))
+            with pytest.raises(EngineError, match="host sync"):
+                h.result(timeout=120)
+            eng.close()
     finally:
         uninstall()
 
@@ -275,7 +282,7 @@ def test_bad_requests_fail_alone(model, encoded, tmp_path):
 
 
 def test_device_error_fails_everything_and_stops(model, encoded):
-    eng = Engine(model, max_batch_size=4)
+    eng = Engine(model, max_batch_size=4, decode_burst=1)   # every step through the sampler
     real = eng.programs
     calls = {"n": 0}
 

@@ -198,8 +198,8 @@ def test_the_kernel_multiplies_float32_in_float32(dtype):
 def test_the_full_size_decode_step_lowers_for_cuda(cfg_fn, dtype):
     """Batch 32 at the config's full context (Moondream 3: 32k positions, 512 pages a row),
     a pool for every row's whole context, abstract shapes only (the arguments
-    `bench/gpu_compile.py` compiles for an H200): the decode step and the ceiling's scan
-    call the kernel, and it reads the pool in the model's dtype, never a converted copy."""
+    `bench/gpu_compile.py` compiles for an H200): the decode step, the ceiling's scan and a
+    decode burst call the kernel, and it reads the pool in the model's dtype, never a converted copy."""
     from gpu_compile import decode_args, stacked
 
     cfg = cfg_fn().with_dtype(dtype)
@@ -212,7 +212,11 @@ def test_the_full_size_decode_step_lowers_for_cuda(cfg_fn, dtype):
     ceiling = lower_for_cuda(P.ceiling, (params, dev.pool, dev.slots[0], dev.pending,
                                          dev.tables, stacked(a["meta"], 2),
                                          stacked(a["owners"], 2), a["samp"]))
+    burst = lower_for_cuda(P.burst[True], (params, dev.pool, dev.slots[0], dev.pending,
+                                           dev.tables, stacked(a["meta"], 2),
+                                           stacked(a["owners"], 2), a["samp"]))
     assert text.count(TRITON) >= 1 and ceiling.count(TRITON) >= 1
+    assert burst.count(TRITON) >= 1   # decode bursts (docs/host.md) call the kernel too
     k, pages_n, t, h = dev.pool.k[0][0].shape
     kv_type = {"bfloat16": "bf16", "float32": "f32"}[dtype]
     assert f"tensor<{k}x{pages_n}x{t}x{h}x{kv_type}>" in text

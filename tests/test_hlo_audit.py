@@ -104,6 +104,10 @@ def test_decode_path_programs_are_sync_free(make_cfg):
         texts["ceiling"] = P.ceiling.lower(model.params, dev.pool.arenas(n), dev.slots[0],
                                            dev.pending, dev.tables, metas,
                                            np.stack([pages] * 3), samp).compile().as_text()
+        for stochastic, prog in P.burst.items():   # the engine's decode bursts (k = 3)
+            texts[f"burst{stochastic}"] = prog.lower(
+                model.params, dev.pool.arenas(n), dev.slots[0], dev.pending, dev.tables,
+                metas, np.stack([pages] * 3), samp).compile().as_text()
     finally:
         eng.close()
     found = {name: audit(t) for name, t in texts.items()}

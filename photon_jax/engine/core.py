@@ -106,7 +106,7 @@ class Engine:
                  prefill_drains: bool = False, host_work_ms: float = 0.0,
                  kv_dtype: str | None = None, programs: step_mod.EnginePrograms | None = None,
                  max_adapters: int = 0, max_lora_rank: int = 16, adapters: dict | None = None,
-                 adapters_on_demand: bool = False):
+                 adapters_on_demand: bool = False, decode_burst: int | None = None):
         cfg = model.cfg
         if not isinstance(max_adapters, int) or isinstance(max_adapters, bool) or \
                 not 0 <= max_adapters <= 256:
@@ -129,6 +129,10 @@ class Engine:
         # that loads them shares this dict) and the slots that hold them on the device.
         self.max_adapters, self.max_lora_rank = max_adapters, max_lora_rank
         self.adapters = adapters if adapters is not None else {}
+        if decode_burst is not None and (not isinstance(decode_burst, int) or isinstance(
+                decode_burst, bool) or not 1 <= decode_burst <= 64):
+            raise ValueError(f"decode_burst must be None or an int in [1, 64], got "
+                             f"{decode_burst!r}")
         # The pool's format: None (the model's dtype) or 8-bit codes + scales (`kvpool`).
         self.kv_dtype = kvpool.canonical_kv_dtype(kv_dtype, cfg.dtype)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -141,6 +145,9 @@ class Engine:
             raise ValueError(f"page_size must be 16, 32, 64, 128 or 256, got {page_size!r}")
         # What the device's platform means (`platforms.Platform`), with this engine's pool format.
         plat = self.platform = model.platform.with_kv_dtype(self.kv_dtype)
+        # Decode steps one launch may run for rows that need no host work between tokens
+        # (`_burst_len`): the host's per-launch cost is paid once per `decode_burst` tokens.
+        self.decode_burst = plat.decode_burst if decode_burst is None else decode_burst
         self.model, self.cfg = model, cfg
         self.programs = step_mod.programs_of(model) if programs is None else programs
         self.max_batch_size, self.max_context, self.pipelined = max_batch_size, ctx, pipelined
@@ -492,6 +499,7 @@ class Engine:
                                                    jax.device_put(pages, self.placement), splits,
                                                    *self._lora_arg())
                     dev.pool = dev.pool.merge(part)
+                self._compile_bursts(rb, n, pages, samp)
             for (_, _, logprobs), sampler in P.sample_step.items():
                 if logprobs:   # compiled on first use: few requests ask for them
                     continue
@@ -499,6 +507,23 @@ class Engine:
                 dev.slots[0], dev.pending = sampler(params, dev.slots[0], dev.pending,
                                                     dev.tables, samp)
         jax.block_until_ready(self.dev.pending)
+
+    def _compile_bursts(self, rb: int, n_arenas: int, pages, samp) -> None:
+        """Compile the burst programs (greedy and sampled) of one (row bucket, arenas read),
+        as `_compile_decode_shapes` does forward's: every row the dummy row and page 0."""
+        k, P = self.decode_burst, self.programs
+        if k == 1:
+            return
+        metas = jax.device_put(np.zeros((k, M_TABLE + self.max_pages, rb), _I32),
+                               self.placement)
+        pages_k = jax.device_put(np.stack([pages] * k), self.placement)
+        for stochastic in (False, True):
+            for splits in P.split_variants(rb, self.sms):
+                dev = self.dev
+                part, dev.slots[0], dev.pending, _ = P.burst[stochastic](
+                    self.model.params, dev.pool.arenas(n_arenas), dev.slots[0], dev.pending,
+                    dev.tables, metas, pages_k, samp, splits, *self._lora_arg())
+                dev.pool = dev.pool.merge(part)
 
     def _compile_prefill_shapes(self) -> None:
         """Compile the prompt prefill for every prefill row bucket, prompts of up to 32
@@ -631,10 +656,32 @@ class Engine:
         if batch:
             self._launch_prefill(batch, slot)
         elif decode:
-            self._launch_decode(decode, slot)
+            k = self._burst_len(decode)
+            if k > 1:
+                self._launch_burst(decode, slot, k)
+            else:
+                self._launch_decode(decode, slot)
         else:
             return False
         return True
+
+    def _burst_len(self, rows: list[Seq]) -> int:
+        """`decode_burst` if every row can take that many tokens with no host work between
+        them, else 1.  Such a row is plain text (no output shape, no log-probabilities, no
+        reasoning or spatial skill): its constraint is the same for every token past the
+        first, no host mask is computed for it, and stops (EOS, stop strings, repeats) are
+        found at commit, the tokens after them dropped.  Every row must also have k more
+        tokens in its budget and context, so a burst never writes past a reservation."""
+        k = self.decode_burst
+        if k == 1:
+            return 1
+        for s in rows:
+            sk = s.skill
+            if type(sk) is not skills.TextSkill or sk.shape is not None or \
+                    s.req.settings.logprobs is not None or \
+                    not sk.feedable(s.n_tokens + k - 2):
+                return 1
+        return k
 
     def _prefix_slots(self, pages: list[int]):
         """Page and offset of each prefix position, for pages in logical order."""
@@ -826,11 +873,65 @@ class Engine:
         st.t0, st.t_launch = t0, time.perf_counter() - t0
         self.pipe.on_launch(st)
 
+    def _launch_burst(self, rows: list[Seq], slot: int, k: int) -> None:
+        """k decode + sample steps of `rows` in one program (`step._burst`): the metadata of
+        every step packed now (the rows' pages for all k positions taken first, so every
+        step reads the same arenas), the sampling rows as `_finalize` would build them for
+        the first token (the program advances the token index)."""
+        t0 = time.perf_counter()
+        n = len(rows)
+        rb = step_mod.row_bucket(n, self.max_batch_size)
+        index = self.sched.grow_burst(rows, k)
+        tables, ids = [s.pages for s in rows], [s.row for s in rows]
+        adapters = [s.adapter_slot for s in rows]
+        packed = [pack_decode(ids, [s.length + j for s in rows], tables, rb, self.max_pages,
+                              self.page_size, self.arenas, owners=self.sweep,
+                              adapters=adapters) for j in range(k)]
+        n_arenas = packed[0][2]
+        metas = np.stack([p[0] for p in packed])
+        pages = np.stack([p[1] for p in packed])
+        samp = np.zeros((step_mod.S_ALLOW + 1, rb), _I32)
+        samp[step_mod.S_ALLOW] = -1
+        temps = np.zeros(rb, np.float32)
+        top_ps = np.ones(rb, np.float32)
+        for i, (s, idx) in enumerate(zip(rows, index)):
+            cfg = s.req.settings
+            samp[step_mod.S_ROW, i] = s.row
+            samp[step_mod.S_CONSTRAINT, i] = s.skill.constraint(idx)
+            samp[step_mod.S_INDEX, i] = idx
+            samp[step_mod.S_SEED, i] = cfg.seed
+            temps[i], top_ps[i] = cfg.temperature, cfg.top_p
+        samp[step_mod.S_TEMP] = temps.view(_I32)
+        samp[step_mod.S_TOP_P] = top_ps.view(_I32)
+        splits = self.programs.decode_splits([s.length + k for s in rows], self.page_size,
+                                             self.sms)
+        with hostsync.sync_free():
+            put = lambda a: jax.device_put(a, self.placement)  # noqa: E731
+            meta_d = put(metas)
+            dev = self.dev
+            part, dev.slots[slot], dev.pending, outs = self.programs.burst[bool(
+                np.any(temps > 0))](self.model.params, dev.pool.arenas(n_arenas),
+                                    dev.slots[slot], dev.pending, dev.tables, meta_d,
+                                    put(pages), put(samp), splits, *self._lora_arg())
+            dev.pool = dev.pool.merge(part)
+        self.sched.start_decode(rows, k)
+        st = _InFlightStep("burst", slot, rows, index, meta_d)
+        st.out = outs
+        st.t0, st.t_launch = t0, time.perf_counter() - t0
+        self.pipe.on_launch(st)
+
     # finalize (sample) -------------------------------------------------------------------
 
     def _finalize(self) -> None:
         t0 = time.perf_counter()
         st = self.pipe.launch
+        if st.kind == "burst":   # sampled by its own program: only the host copy to start
+            st.out.copy_to_host_async()
+            for s in st.seqs:
+                s.pending_ready = True
+            self.pipe.on_sampled(st)
+            st.t_finalize = time.perf_counter() - t0
+            return
         rb = st.meta.shape[1]
         allowed = [None if s.finalized else s.skill.allowed(i)
                    for s, i in zip(st.seqs, st.index)]
@@ -908,8 +1009,16 @@ class Engine:
         lps = None if st.logprobs is None else np.array(st.logprobs)
         t1 = time.perf_counter()
         st.out = st.logprobs = None
-        self.counters["tokens"] += self.sched.commit(st.seqs, host[:, 0],
-                                                     host[:, 1:3].view(np.float32), t1, lps)
+        if st.kind == "burst":   # [k, R, 3]: k tokens per row
+            n = self.sched.commit_burst(st.seqs, host[:, :, 0],
+                                        host[:, :, 1:3].view(np.float32), t1)
+            self.counters["tokens"] += n
+            # Row-steps computed for rows that had finished (their tokens dropped).
+            self.counters["zombie_rows"] += host.shape[0] * len(st.seqs) - n
+        else:
+            self.counters["tokens"] += self.sched.commit(st.seqs, host[:, 0],
+                                                         host[:, 1:3].view(np.float32), t1,
+                                                         lps)
         if self.host_work_s:
             end = t1 + self.host_work_s
             while time.perf_counter() < end:

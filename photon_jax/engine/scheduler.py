@@ -509,12 +509,22 @@ class Scheduler:
                 s.reserved -= 1
         return [s.n_tokens for s in rows]
 
-    def start_decode(self, rows: list[Seq]) -> None:
-        """The decode step of `rows` is launched: both device clocks advance."""
+    def grow_burst(self, rows: list[Seq], k: int) -> list[int]:
+        """`grow` for a burst of k decode steps: each row's pages of its next k positions
+        (all within its reservation: `burst_len` keeps k inside every row's budget)."""
+        for s in rows:
+            while (s.length + k - 1) // self.page_size >= len(s.pages):
+                s.pages += self.alloc.take(1, reserved=True)
+                s.reserved -= 1
+        return [s.n_tokens for s in rows]
+
+    def start_decode(self, rows: list[Seq], k: int = 1) -> None:
+        """The decode step (a burst: k steps) of `rows` is launched: both device clocks
+        advance."""
         for s in rows:
             s.inflight_refs += 1
-            s.n_tokens += 1
-            s.length += 1
+            s.n_tokens += k
+            s.length += k
             s.pending_ready = False
         self.last_kind = "decode"
 
@@ -525,6 +535,14 @@ class Scheduler:
         the rows that finished (results go to the outbox), release zombies whose last step
         this was.  `logprobs`: the step's `step.Slot.logprobs` rows, when its sampler
         computed them.  -> tokens committed (zombie rows excluded)."""
+        return self.commit_burst(seqs, [tokens], [values], now,
+                                 None if logprobs is None else [logprobs])
+
+    def commit_burst(self, seqs: list[Seq], tokens_K, values_K, now: float,
+                     logprobs_K=None) -> int:
+        """`commit` of a step that sampled K tokens per row (tokens_K[j][i]: row i's j-th):
+        each row takes them in order until it finishes; the rest were computed for a
+        finished row, as a zombie's are, and are dropped.  -> tokens committed."""
         self.commits += 1
         n = 0
         for i, s in enumerate(seqs):
@@ -533,21 +551,25 @@ class Scheduler:
                 if s.inflight_refs == 0:
                     self.release(s)
                 continue
-            self.outbox.token(s.handle, now)
-            s.generated.append(int(tokens[i]))
-            args = (int(tokens[i]), values[i])
-            if logprobs is not None and s.req.settings.logprobs is not None:
-                args += (logprobs[i],)   # the skill keeps an answer token's
-            try:
-                reason = s.skill.consume(*args)
-            except Exception as e:  # e.g. a tokenizer failure: this request alone fails
-                self.finalize(s, "error", error=e)
-                continue
-            if reason is None and s.handle.cancel_requested:
-                reason = "cancelled"
-            if reason is not None:
-                self.finalize(s, reason)
-            n += 1
+            for j in range(len(tokens_K)):
+                self.outbox.token(s.handle, now)
+                token = int(tokens_K[j][i])
+                s.generated.append(token)
+                args = (token, values_K[j][i])
+                if logprobs_K is not None and s.req.settings.logprobs is not None:
+                    args += (logprobs_K[j][i],)   # the skill keeps an answer token's
+                n += 1
+                try:
+                    reason = s.skill.consume(*args)
+                except Exception as e:  # e.g. a tokenizer failure: this request alone fails
+                    n -= 1
+                    self.finalize(s, "error", error=e)
+                    break
+                if reason is None and s.handle.cancel_requested:
+                    reason = "cancelled"
+                if reason is not None:
+                    self.finalize(s, reason)
+                    break
         return n
 
     def finalize(self, s: Seq, reason: str, error: BaseException | None = None) -> None:

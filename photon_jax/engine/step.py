@@ -7,8 +7,9 @@ Two bundles.  `build` gives the engine's `EnginePrograms`: `forward` (decode R r
 slot), `prefill_slot` (prompt prefill into a slot), `sample_step` (constrained sampling of a
 slot's rows into the pending buffers), `image_kv` (an image's prefix K/V),
 `write_prefix_pages` / `copy_pages` (that prefix into pool pages, from its dense K/V or from
-the prefix cache's pages) and `ceiling`.  Forward and sample are separate so the constraint
-of step t+1 can be built on the host after step t is committed; `ceiling` scans forward +
+the prefix cache's pages), `burst` and `ceiling`.  Forward and sample are separate so the
+constraint of step t+1 can be built on the host after step t is committed; `burst` runs K
+steps of rows that need no such constraint in one program; `ceiling` scans forward +
 sample over precomputed per-step metadata inside one program: the device-only bound of the
 benchmark (a static trip count: no host round trip on any backend).  `build_oracle` gives the
 one-request path's `OraclePrograms` over a dense cache (`reference`, the parity tests).
@@ -370,6 +371,36 @@ def _ceiling(params, pool, slot, pending, tables, metas_NFR, pages_N2P, samp_FR,
     return pool, slot, pending
 
 
+def _burst(params, pool, slot, pending, tables, metas_KFR, pages_K2P, samp_FR,
+           splits: int = 1, adapters=None, *, cfg, attention="xla", grouped="blocks",
+           dense=False, stochastic=False, candidates: int = 256, tp=None,
+           lora_mode="gather"):
+    """K decode steps of free-running text rows in one program (`Engine` "burst"): forward
+    and sample, K times in a `lax.scan` (a static trip count), each step's inputs taken
+    from the pending buffers the step before wrote, token indices advancing by one.  The
+    rows' constraint is the same for every step (free text past the first token) and no
+    host mask is needed, so nothing the host learns between steps could change them; the
+    host commits the K tokens at once and drops those after a row's stop.  -> (pool arenas,
+    slot, pending, outs [K, R, 3]: each step's `Slot.out` rows)."""
+    r = samp_FR.shape[1]
+
+    def body(carry, step):
+        pool, slot, pending, i = carry
+        meta, pages = step
+        pool, slot = _forward(params, pool, slot, pending, meta, pages, splits, adapters,
+                              cfg=cfg, attention=attention, grouped=grouped, dense=dense,
+                              tp=tp, lora_mode=lora_mode)
+        slot, pending = _sample_step(params, slot, pending, tables,
+                                     samp_FR.at[S_INDEX].add(i), cfg=cfg,
+                                     stochastic=stochastic, region=False,
+                                     candidates=candidates)
+        return (pool, slot, pending, i + 1), slot.out[:r]
+
+    (pool, slot, pending, _), outs = jax.lax.scan(
+        body, (pool, slot, pending, jnp.int32(0)), (metas_KFR, pages_K2P))
+    return pool, slot, pending, outs
+
+
 def _write_prefix_pages(pool: KVPool, k_LSKH, v_LSKH, page_S, off_S, *, tp=None) -> KVPool:
     """An image prefix's dense K/V ([L, S, K, H] each) into pool pages, position s at
     (page_S[s], off_S[s]); an 8-bit pool quantizes them here (once: cache hits copy or share
@@ -434,6 +465,9 @@ class EnginePrograms:
     # program (the logprobs ones compile on first use, as the masked twins do).
     sample_step: dict
     ceiling: Callable
+    # burst[stochastic](params, pool, slot, pending, tables, metas, pages, samp, splits=1):
+    # K decode + sample steps of free-running text rows in one program (`_burst`).
+    burst: dict = None
     # write_adapter(tables, slot, adapter): one adapter into a slot of the LoRA tables
     # (donated): a device write between steps, never a new trace of the step programs.
     write_adapter: Callable = None
@@ -582,6 +616,10 @@ def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp,
                      for st in (False, True) for rg in (False, True) for lp in (False, True)},
         ceiling=jax.jit(partial(_ceiling, attention=attention, dense=dense, **e),
                         static_argnums=(8,), donate_argnums=(1, 2, 3)),
+        burst={st: jax.jit(partial(_burst, attention=attention, dense=dense, stochastic=st,
+                                   candidates=candidates, **e),
+                           static_argnums=(8,), donate_argnums=(1, 2, 3))
+               for st in (False, True)},
         write_adapter=jax.jit(lora.write_slot, donate_argnums=(0,)),
         image_embeddings=jax.jit(lambda params, *img: vision.encode_image(
             params, *img, cfg=cfg, vision_loop=vision_loop)[1]),

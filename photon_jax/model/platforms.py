@@ -127,6 +127,13 @@ class Platform:
     host_memory: bool          # device memory is the host's (pool sized from host RAM)
     dtype: str                 # the compute dtype
     kv_dtype: str | None = None    # the pool's 8-bit format (None: the model's dtype)
+    # Decode steps one launch runs for plain text rows (`Engine(decode_burst=)`).  1 (off)
+    # for now on every platform: bursts of 4 put the tiny config's batch-1 decode at the
+    # device's ceiling on a CPU core standing in for an accelerator, but two full test runs
+    # with them on by default each lost a worker to a segfault inside XLA's compiler, which
+    # a run without them did not (docs/host.md): opt in with decode_burst=4 until that is
+    # understood.
+    decode_burst: int = 1
 
     def with_kv_dtype(self, kv_dtype: str | None) -> "Platform":
         return dataclasses.replace(self, kv_dtype=kv_dtype)
