@@ -58,7 +58,7 @@ HEAVY_FIRST = ("test_bench.py", "test_mesh.py", "test_mesh_two.py", "test_captio
 
 @pytest.fixture(scope="module", autouse=True)
 def _mapping_guard():
-    """After each file, a worker holding more than half its memory-mapping limit frees its
+    """After each file, a worker holding more than 40% of its memory-mapping limit frees its
     compiled programs (recompiled, or read from the persistent cache, where needed again):
     at the limit XLA:CPU's compiles fail and the worker can crash (docs/testing.md, "The
     worker crashes").  PHOTON_JAX_TEST_MAPS_LOG names a file that gets each file's count."""

@@ -46,8 +46,7 @@ def test_the_suite_flags_are_added_once_and_never_over_the_callers_own(monkeypat
     own = suite_xla_flags({"XLA_FLAGS": "--xla_backend_optimization_level=2 --xla_dump_to=/d"})
     assert own.split() == ["--xla_backend_optimization_level=2", "--xla_dump_to=/d",
                            "--xla_cpu_use_fusion_emitters=false",
-                           "--xla_cpu_multi_thread_eigen=false",
-                           "--xla_cpu_parallel_codegen_split_count=1"]
+                           "--xla_cpu_multi_thread_eigen=false"]
     assert suite_xla_flags({"XLA_FLAGS": "--a=1", "PHOTON_JAX_TEST_XLA_OPT": "default"}) == "--a=1"
     monkeypatch.setattr(helpers, "_accelerator_plugin", lambda: True)
     assert suite_xla_flags({"XLA_FLAGS": "--a=1"}) == "--a=1"
