@@ -429,7 +429,8 @@ def engine_run(model, enc, batch: int, steps: int, pipelined: bool, host_work_ms
     eng = Engine(model, max_batch_size=batch, pipelined=pipelined, host_work_ms=host_work_ms,
                  prefill_tokens=max(batch * (model.cfg.prefix_len + prompt_tokens),
                                     prefill_row_bucket(batch, batch) * prompt_bucket(prompt_tokens)),
-                 kv_cache_tokens=tokens, kv_dtype=kv_dtype_of(model), decode_burst=burst)
+                 kv_cache_tokens=tokens, kv_dtype=kv_dtype_of(model), decode_burst=burst,
+                 burst_rows=batch)   # bursts, where asked, at any batch: what is measured
     try:
         for h in eng.submit_many(requests(model, enc, batch, steps,
                                           prompt_tokens=prompt_tokens)):

@@ -91,6 +91,9 @@ def main(argv=None) -> int:
                     help="an 8-bit KV pool (default: the model's dtype)")
     ap.add_argument("--weights", default=None, choices=["int8", "fp8", "int4"],
                     help="the random weights quantized (`model.quant`; default: bfloat16)")
+    ap.add_argument("--burst", type=int, nargs="*", default=[],
+                    help="also time the pipelined engine with these decode_burst values "
+                         "(a 'burstK' entry each, bursts at any batch: docs/host.md)")
     ap.add_argument("--md3-loops", action="store_true",
                     help="the engine loops for Moondream 3 too (default: its ceiling only)")
     ap.add_argument("--trace", metavar="DIR", help="write a 5-step profiler trace here")
@@ -130,7 +133,8 @@ def main(argv=None) -> int:
                                                                             3)}
             else:
                 row = measure(model, config, batch, args.steps, "gpu", args.reps,
-                              prompt_tokens=prompt)
+                              prompt_tokens=prompt,
+                              bursts=tuple(k for k in args.burst if k > 1))
             cost = decode_cost(model.cfg, batch, model.cfg.prefix_len + prompt + args.steps // 2,
                                platform_=jax.devices()[0].platform, attention=model.attention,
                                kv_dtype=kv_dtype_of(model))

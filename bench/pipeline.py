@@ -4,8 +4,9 @@ For each (config, mode, batch) this prints one JSON line ("kind": "loops") with 
 tokens/s of
   - the blocking loop   (the engine with pipelined=False: launch, sample, wait, commit),
   - the pipelined loop  (the engine: commit t while forward t+1 runs), in single steps
-                         (decode_burst=1, the engine's default), and with each `--burst` k
-                         (default 4: k decode steps per launch, docs/host.md) as
+                         (decode_burst=1), and with each `--burst` k (default 4: k decode
+                         steps per launch at any batch; the engine's default is bursts of 4
+                         in steps of up to 8 rows, docs/host.md) as
                          "burstK" {tokens/s, over the ceiling, host ms per launch, host us
                          per committed token},
   - the ceiling         (the same forward + sample step iterated inside one jitted
@@ -293,8 +294,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2, help="timed repetitions (median)")
     ap.add_argument("--burst", type=int, nargs="*", default=[4],
                     help="also time the pipelined engine with these decode_burst values, "
-                         "side by side (a 'burstK' entry per value; the 'pipelined' loop "
-                         "runs single steps, decode_burst=1, the engine's default for now)")
+                         "side by side (a 'burstK' entry per value, bursts at any batch; the "
+                         "'pipelined' loop runs single steps, decode_burst=1)")
     ap.add_argument("--modes", nargs="+", default=["default", "pinned"],
                     choices=["default", "pinned"])
     ap.add_argument("--host-work", type=float, nargs="*", default=None,

@@ -101,8 +101,10 @@ def mix(model, drain: bool, decode_rows: int, arrivals: int, steps: int) -> dict
             for h in dec:
                 h.result(timeout=3600)
             total = time.perf_counter() - t0
-        log = [s for s in eng.step_log() if s["t0"] >= t0 and s["kind"] == "decode"]
-        tokens = sum(s["rows"] for s in log)
+        # A burst's rows each decoded decode_burst tokens.
+        tokens = sum(s["rows"] * (eng.decode_burst if s["kind"] == "burst" else 1)
+                     for s in eng.step_log() if s["t0"] >= t0 and s["kind"] in ("decode",
+                                                                              "burst"))
     finally:
         eng.close()
     return {"decode_tok_s": round(tokens / total, 1), "image_latency_ms":

@@ -119,7 +119,9 @@ def main(argv=None) -> int:
 
     model = _model(args.config)
     enc = prefix(model)
-    eng = Engine(model, max_batch_size=args.batch,
+    # Single steps: the run times one step's price per share of constrained rows, and a
+    # batch with none would otherwise run in bursts (docs/host.md).
+    eng = Engine(model, max_batch_size=args.batch, decode_burst=1,
                  prefill_tokens=args.batch * (model.cfg.prefix_len + 64))
     try:
         lp = args.logprobs

@@ -68,7 +68,42 @@ def test_text_rows_in_bursts_give_the_same_tokens_as_single_steps(model, encoded
     assert outs[4] == outs[1]
 
 
+def test_steps_of_more_than_burst_rows_rows_stay_single(model, encoded):
+    """The default policy's row limit: with burst_rows=2, steps of 3-4 rows are single steps
+    and only steps of 1-2 rows burst, and the tokens are the single-step engine's."""
+    pr = model.prompts
+    reqs = [Request("text", pr.caption("normal"), encoded[i % len(encoded)],
+                    Settings(temperature=0.0, max_tokens=4 + 6 * i)) for i in range(4)]
+    outs, logs = {}, {}
+    for k, rows in ((1, 8), (4, 2)):
+        eng = Engine(model, max_batch_size=4, decode_burst=k, burst_rows=rows)
+        try:
+            outs[k] = [h.result(timeout=300) for h in [eng.submit(r) for r in reqs]]
+        finally:
+            eng.close()
+        logs[k] = eng.step_log()
+    assert outs[4] == outs[1]
+    bursts = [st["rows"] for st in logs[4] if st["kind"] == "burst"]
+    singles = [st["rows"] for st in logs[4] if st["kind"] == "decode"]
+    assert bursts and max(bursts) <= 2
+    assert singles and max(singles) > 2
+
+
 @pytest.mark.parametrize("bad", [0, 65, 2.0, True])
 def test_decode_burst_is_checked(model, bad):
     with pytest.raises(ValueError, match="decode_burst"):
         Engine(model, decode_burst=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_burst_rows_is_checked(model, bad):
+    with pytest.raises(ValueError, match="burst_rows"):
+        Engine(model, burst_rows=bad)
+
+
+def test_bursts_are_the_default_for_small_steps(model):
+    eng = Engine(model, max_batch_size=2)
+    try:
+        assert (eng.decode_burst, eng.burst_rows) == (4, 8)
+    finally:
+        eng.close()

@@ -107,7 +107,7 @@ def test_a_mixed_batch_gives_each_row_its_tokens_alone_and_a_new_adapter_compile
         together = [h.result(timeout=300)["ids"]
                     for h in eng.submit_many(_requests(model, mix))]
         assert together == alone
-        assert eng.counters["decode"] > 0
+        assert eng.counters["decode"] + eng.counters["burst"] > 0
         progs = eng.programs
         before = {n: getattr(progs, n)._cache_size()
                   for n in ("forward", "prefill_slot", "image_kv")}

@@ -453,7 +453,7 @@ def test_cancelling_frees_pages_at_the_right_commit(model, encoded):
                                   Settings(max_tokens=60), ignore_eos=True))
         # (Submitted once `long` runs: a request whose image is still being prepared does
         # not hold back later ones that are ready, so it could otherwise start first.)
-        while not any(s["kind"] == "decode" for s in eng.step_log()):
+        while not any(s["kind"] in ("decode", "burst") for s in eng.step_log()):
             pass
         waiting = eng.submit(Request("text", model.prompts.caption("short"), IMAGES[1],
                                      Settings(max_tokens=5)))

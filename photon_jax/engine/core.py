@@ -71,7 +71,7 @@ class StepTiming(NamedTuple):
     """One committed step in `Engine.step_log`: host seconds spent in launch, finalize and
     commit (commit excludes the wait for the host copy), that wait, and the step's start
     and end times (perf_counter)."""
-    kind: str          # "prefill" / "decode"
+    kind: str          # "prefill" / "decode" / "burst" (decode_burst steps at once)
     rows: int
     launch_s: float
     finalize_s: float
@@ -106,7 +106,8 @@ class Engine:
                  prefill_drains: bool = False, host_work_ms: float = 0.0,
                  kv_dtype: str | None = None, programs: step_mod.EnginePrograms | None = None,
                  max_adapters: int = 0, max_lora_rank: int = 16, adapters: dict | None = None,
-                 adapters_on_demand: bool = False, decode_burst: int | None = None):
+                 adapters_on_demand: bool = False, decode_burst: int | None = None,
+                 burst_rows: int | None = None):
         cfg = model.cfg
         if not isinstance(max_adapters, int) or isinstance(max_adapters, bool) or \
                 not 0 <= max_adapters <= 256:
@@ -133,6 +134,9 @@ class Engine:
                 decode_burst, bool) or not 1 <= decode_burst <= 64):
             raise ValueError(f"decode_burst must be None or an int in [1, 64], got "
                              f"{decode_burst!r}")
+        if burst_rows is not None and (not isinstance(burst_rows, int) or isinstance(
+                burst_rows, bool) or burst_rows < 1):
+            raise ValueError(f"burst_rows must be None or a positive int, got {burst_rows!r}")
         # The pool's format: None (the model's dtype) or 8-bit codes + scales (`kvpool`).
         self.kv_dtype = kvpool.canonical_kv_dtype(kv_dtype, cfg.dtype)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -148,6 +152,8 @@ class Engine:
         # Decode steps one launch may run for rows that need no host work between tokens
         # (`_burst_len`): the host's per-launch cost is paid once per `decode_burst` tokens.
         self.decode_burst = plat.decode_burst if decode_burst is None else decode_burst
+        # ... for steps of at most this many rows (larger steps already hide the host).
+        self.burst_rows = plat.burst_rows if burst_rows is None else burst_rows
         self.model, self.cfg = model, cfg
         self.programs = step_mod.programs_of(model) if programs is None else programs
         self.max_batch_size, self.max_context, self.pipelined = max_batch_size, ctx, pipelined
@@ -512,8 +518,9 @@ class Engine:
         """Compile the burst programs (greedy and sampled) of one (row bucket, arenas read),
         as `_compile_decode_shapes` does forward's: every row the dummy row and page 0."""
         k, P = self.decode_burst, self.programs
-        if k == 1:
-            return
+        if k == 1 or rb > step_mod.row_bucket(min(self.burst_rows, self.max_batch_size),
+                                              self.max_batch_size):
+            return   # no step of this bucket bursts
         metas = jax.device_put(np.zeros((k, M_TABLE + self.max_pages, rb), _I32),
                                self.placement)
         pages_k = jax.device_put(np.stack([pages] * k), self.placement)
@@ -671,9 +678,11 @@ class Engine:
         reasoning or spatial skill): its constraint is the same for every token past the
         first, no host mask is computed for it, and stops (EOS, stop strings, repeats) are
         found at commit, the tokens after them dropped.  Every row must also have k more
-        tokens in its budget and context, so a burst never writes past a reservation."""
+        tokens in its budget and context, so a burst never writes past a reservation.  Steps
+        of more than `burst_rows` rows stay single: their device step already outlasts the
+        host's launch."""
         k = self.decode_burst
-        if k == 1:
+        if k == 1 or len(rows) > self.burst_rows:
             return 1
         for s in rows:
             sk = s.skill

@@ -127,13 +127,16 @@ class Platform:
     host_memory: bool          # device memory is the host's (pool sized from host RAM)
     dtype: str                 # the compute dtype
     kv_dtype: str | None = None    # the pool's 8-bit format (None: the model's dtype)
-    # Decode steps one launch runs for plain text rows (`Engine(decode_burst=)`).  1 (off)
-    # for now on every platform: bursts of 4 put the tiny config's batch-1 decode at the
-    # device's ceiling on a CPU core standing in for an accelerator, but two full test runs
-    # with them on by default each lost a worker to a segfault inside XLA's compiler, which
-    # a run without them did not (docs/host.md): opt in with decode_burst=4 until that is
-    # understood.
-    decode_burst: int = 1
+    # Decode steps one launch runs for plain text rows (`Engine(decode_burst=)`), in steps of
+    # at most `burst_rows` rows.  A launch costs the host a fixed ~0.5-0.7 ms (uploads,
+    # dispatches, NumPy: docs/host.md) whatever its rows, so at small batch, where a device
+    # step is as short (an H200's full-size batch-1 step is ~0.8 ms), single steps leave
+    # the device waiting: bursts of 4 took the tiny config's batch-1 decode from 0.31 to
+    # 0.99 of the device's ceiling, pinned, and small int8 batch 1 from 0.92 to 0.99.  At
+    # batch 32 single steps already hide the host (1.0 of the ceiling) and bursts read 2-6%
+    # lower in one run, so larger steps stay single.
+    decode_burst: int = 4
+    burst_rows: int = 8
 
     def with_kv_dtype(self, kv_dtype: str | None) -> "Platform":
         return dataclasses.replace(self, kv_dtype=kv_dtype)
