@@ -22,6 +22,7 @@ One JSON line per compile, kind "gpu_compile":
     pip install "jax[cuda13]==$(python -c 'import jax; print(jax.__version__)')"
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu python bench/gpu_compile.py
     python bench/gpu_compile.py --lower-only --models tiny     # without the plugin (tests)
+    python bench/gpu_compile.py --programs burst4 forward      # only these, no kernel rows
 
 (The two variables: the plugin's start-up check wants a CUDA driver, and JAX must not try to
 run on a GPU it does not have.  Measured numbers: bench/README.md.)
@@ -179,13 +180,18 @@ def stacked(a, steps: int):
 
 
 def program_rows(device, batch: int, models, weights=None, lora_slots: int = 0,
-                 lora_rank: int = 16):
+                 lora_rank: int = 16, programs=None):
+    """The serving programs' rows; `programs` (names): only those programs' rows."""
     import jax
     import numpy as np
 
     from common import CONFIGS, with_weights
     from photon_jax.engine import step as step_mod, stepmeta as M
     from photon_jax.model import lora
+
+    def wanted(what, fn, args, device, **fields):
+        if programs is None or fields["program"] in programs:
+            yield compile_row(what, fn, args, device, **fields)
 
     page = 64
     for name in models:
@@ -207,36 +213,36 @@ def program_rows(device, batch: int, models, weights=None, lora_slots: int = 0,
             info.update(lora_slots=lora_slots, lora_rank=lora_rank,
                         lora_bytes=lora.table_bytes(cfg, lora_slots, lora_rank))
             one = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape[1:], np.float32), tables)
-            yield compile_row("program", P.write_adapter,
+            yield from wanted("program", P.write_adapter,
                               (tables, jax.ShapeDtypeStruct((), np.int32), one), device,
                               program="write_adapter", **info)
-        yield compile_row("program", P.forward, (params, dev.pool, dev.slots[0], dev.pending,
+        yield from wanted("program", P.forward, (params, dev.pool, dev.slots[0], dev.pending,
                                                  a["meta"], a["owners"], 1, *ad), device,
                           program="forward", **info)
         # The most splits, in the whole step (a batch this size plans 1; small ones more).
-        yield compile_row("program", P.forward, (params, dev.pool, dev.slots[0], dev.pending,
+        yield from wanted("program", P.forward, (params, dev.pool, dev.slots[0], dev.pending,
                                                  a["meta"], a["owners"], 16, *ad), device,
                           program="forward_s16", **info)
         # Every variant without logprobs, and the widest one with them.
         for (stochastic, region, lp), prog in P.sample_step.items():
             if lp and not (stochastic and region):
                 continue
-            yield compile_row("program", prog, (params, dev.slots[0], dev.pending,
+            yield from wanted("program", prog, (params, dev.slots[0], dev.pending,
                                                 dev.tables, a["samp"]), device,
                               program=f"sample_step{stochastic, region}"
                               + ("_logprobs" if lp else ""), **info)
         # The sampler with the output shapes' bitmask (rows held to a JSON schema).
         words = jax.ShapeDtypeStruct((a["samp"].shape[1], (cfg.text.vocab_size + 31) // 32),
                                  np.int32)
-        yield compile_row("program", P.sample_step[(True, True, False)],
+        yield from wanted("program", P.sample_step[(True, True, False)],
                           (params, dev.slots[0], dev.pending, dev.tables, a["samp"], words),
                           device, program="sample_step_masked", **info)
-        yield compile_row("program", P.ceiling, (params, dev.pool, dev.slots[0], dev.pending,
+        yield from wanted("program", P.ceiling, (params, dev.pool, dev.slots[0], dev.pending,
                                                  dev.tables, stacked(a["meta"], 4),
                                                  stacked(a["owners"], 4), a["samp"], 1, *ad),
                           device, program="ceiling", **info)
         # A decode burst of 4 steps (Engine(decode_burst=4), docs/host.md), sampled rows.
-        yield compile_row("program", P.burst[True], (params, dev.pool, dev.slots[0],
+        yield from wanted("program", P.burst[True], (params, dev.pool, dev.slots[0],
                                                      dev.pending, dev.tables,
                                                      stacked(a["meta"], 4),
                                                      stacked(a["owners"], 4), a["samp"], 1,
@@ -251,13 +257,13 @@ def program_rows(device, batch: int, models, weights=None, lora_slots: int = 0,
             [prompt] * rows, [list(range(1, kv_len // page + 1))] * rows, rows, prompt,
             kv_len, page)
         ids = np.zeros((rows, prompt), np.int32)
-        yield compile_row("program", P.prefill_slot,
+        yield from wanted("program", P.prefill_slot,
                           (params, dev.pool, dev.slots[0], ids, ids,
                            np.zeros((rows, prompt, 2), np.float32), pre, write, table, *ad),
                           device, program="prefill_slot", rows=rows, **info)
         # A later turn's image inside the prompt: one row, an image block (Z positions)
         # and 64 text tokens after the prefix; the program variant with `images`.
-        yield compile_row("program", P.prefill_slot,
+        yield from wanted("program", P.prefill_slot,
                           (params, dev.pool, dev.slots[0], *image_block_prefill(cfg, page, ad)),
                           device, program="prefill_slot_images", rows=1, **info)
         # An image prefix into pool pages (a cache miss), and a hit's partial-page copy.
@@ -265,12 +271,13 @@ def program_rows(device, batch: int, models, weights=None, lora_slots: int = 0,
         kv = jax.ShapeDtypeStruct((t.n_layers, cfg.prefix_len, t.n_kv_heads, t.head_dim),
                                   cfg.dtype)
         at = np.zeros(cfg.prefix_len, np.int32)
-        yield compile_row("program", P.write_prefix_pages, (dev.pool, kv, kv, at, at), device,
+        yield from wanted("program", P.write_prefix_pages, (dev.pool, kv, kv, at, at), device,
                           program="write_prefix_pages", **info)
-        yield compile_row("program", P.copy_pages, (dev.pool, at[:1], at[:1]), device,
+        yield from wanted("program", P.copy_pages, (dev.pool, at[:1], at[:1]), device,
                           program="copy_pages", **info)
-        yield from image_rows(P, params, cfg, device, info,
-                              ad + ((np.ones(1, np.int32),) if ad else ()))
+        if programs is None or "image_kv" in programs:
+            yield from image_rows(P, params, cfg, device, info,
+                                  ad + ((np.ones(1, np.int32),) if ad else ()))
 
 
 def image_rows(P, params, cfg, device, info, adapter=()):
@@ -331,6 +338,9 @@ def main() -> None:
                     help="compile the programs with N LoRA adapter slots (docs/lora.md)")
     ap.add_argument("--lora-rank", type=int, default=16, metavar="R",
                     help="with --lora-slots: the slots' rank")
+    ap.add_argument("--programs", nargs="+", metavar="NAME",
+                    help="only these programs' rows (their `program` names, e.g. burst4), "
+                         "no kernel rows")
     ap.add_argument("--ptxas", metavar="DIR",
                     help="dump XLA's PTX to DIR and report each kernel's registers and "
                          "spills (ptxas -v)")
@@ -340,12 +350,16 @@ def main() -> None:
                                    + f" --xla_dump_to={args.ptxas}").strip()
     device = None if args.lower_only else h200_device()
     env = {**env_info(), "target": "lowered for CUDA" if device is None else "H200, deviceless"}
-    for row in kernel_rows(device, tuple(args.kv_dtype)):
+    for row in () if args.programs else kernel_rows(device, tuple(args.kv_dtype)):
         print(json.dumps({**row, **env}), flush=True)
     if not args.kernel_only:
+        seen = set()
         for row in program_rows(device, args.batch, args.models, args.weights,
-                                args.lora_slots, args.lora_rank):
+                                args.lora_slots, args.lora_rank, args.programs):
+            seen.add(row["program"])
             print(json.dumps({**row, **env}), flush=True)
+        if args.programs and set(args.programs) - seen:
+            sys.exit(f"no program named {sorted(set(args.programs) - seen)}")
     if args.ptxas and device is not None:
         for row in ptxas_rows(args.ptxas):
             print(json.dumps({**row, **env}), flush=True)

@@ -5,8 +5,8 @@ tokens/s of
   - the blocking loop   (the engine with pipelined=False: launch, sample, wait, commit),
   - the pipelined loop  (the engine: commit t while forward t+1 runs), in single steps
                          (decode_burst=1), and with each `--burst` k (default 4: k decode
-                         steps per launch at any batch; the engine's default is bursts of 4
-                         in steps of up to 8 rows, docs/host.md) as
+                         steps per launch at any batch; the engine's default on a GPU or TPU
+                         is bursts of 4 in steps of up to 8 rows, docs/host.md) as
                          "burstK" {tokens/s, over the ceiling, host ms per launch, host us
                          per committed token},
   - the ceiling         (the same forward + sample step iterated inside one jitted

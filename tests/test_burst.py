@@ -101,9 +101,14 @@ def test_burst_rows_is_checked(model, bad):
         Engine(model, burst_rows=bad)
 
 
-def test_bursts_are_the_default_for_small_steps(model):
-    eng = Engine(model, max_batch_size=2)
+def test_bursts_are_an_accelerators_default_and_a_cpus_opt_in(model):
+    from photon_jax.model.platforms import choose
+
+    for name, k in (("cpu", 1), ("gpu", 4), ("tpu", 4)):
+        plat = choose(model.cfg, name)
+        assert (plat.decode_burst, plat.burst_rows) == (k, 8), name
+    eng = Engine(model, max_batch_size=2)   # a model on this machine's CPU
     try:
-        assert (eng.decode_burst, eng.burst_rows) == (4, 8)
+        assert (eng.decode_burst, eng.burst_rows) == (1, 8)
     finally:
         eng.close()

@@ -100,8 +100,10 @@ def lower_recorded(calls, *bundles) -> dict:
 def run_workload(model, requests, programs):
     """The pipelined engine's outputs on `programs`, its pool all free after close().  800
     positions in pages of 32: page tables 25 pages wide, not a power of 2 (Triton's lowering
-    cares)."""
-    eng = Engine(model, max_batch_size=4, max_context=800, page_size=32, programs=programs)
+    cares).  Decode bursts of 4, a GPU's default (the model here is on the CPU, whose
+    default is single steps)."""
+    eng = Engine(model, max_batch_size=4, max_context=800, page_size=32, programs=programs,
+                 decode_burst=4)
     try:
         got = [h.result(timeout=600) for h in [eng.submit(r) for r in requests]]
     finally:
@@ -161,6 +163,7 @@ def check_engine_on_gpu_programs(base: Model, n_requests: int, monkeypatch):
     # Decode attention is the Pallas kernel (one kernel, called from every layer), in single
     # steps and in decode bursts (the default: k steps in one program); nothing else is.
     assert lowered["forward"] >= 1, lowered
+    assert any(k.startswith("burst") for k in lowered), lowered   # bursts did run
     assert all(v >= 1 for k, v in lowered.items() if k.startswith("burst")), lowered
     assert all(v == 0 for k, v in lowered.items()
                if k != "forward" and not k.startswith("burst")), lowered

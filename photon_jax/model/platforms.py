@@ -110,6 +110,19 @@ def default_dense(cfg: MoondreamConfig, attention: str) -> bool:
             and cpukernel.dense_fast())
 
 
+def default_burst(platform: str) -> int:
+    """Decode steps per launch for plain text rows, by default (docs/host.md).  A launch
+    costs the host a fixed ~0.5-1.2 ms (uploads, dispatches, NumPy), whatever its rows.  On
+    an accelerator a full-size decode step at small batch is as short (~0.8 ms at batch 1
+    on an H200), so single steps would leave the device waiting for Python: 4 steps a
+    launch there (in the pinned stand-in on this project's CPU, bursts of 4 took the tiny
+    config's batch 1 from 0.23-0.31 to 0.78-0.99 of the device's ceiling, and small int8
+    from 0.92-0.94 to 0.99-1.06).  On a CPU that is itself the device, a real model's step
+    is 100x the launch (~0.15 s at full size), so bursts would gain under 1% and deliver
+    streamed tokens in clumps of 4: single steps there (`decode_burst=` opts in)."""
+    return 1 if host_platform(platform) else 4
+
+
 @dataclass(frozen=True)
 class Platform:
     """What a device platform's choice means, worked out once (`choose`).  Everything
@@ -128,14 +141,8 @@ class Platform:
     dtype: str                 # the compute dtype
     kv_dtype: str | None = None    # the pool's 8-bit format (None: the model's dtype)
     # Decode steps one launch runs for plain text rows (`Engine(decode_burst=)`), in steps of
-    # at most `burst_rows` rows.  A launch costs the host a fixed ~0.5-0.7 ms (uploads,
-    # dispatches, NumPy: docs/host.md) whatever its rows, so at small batch, where a device
-    # step is as short (an H200's full-size batch-1 step is ~0.8 ms), single steps leave
-    # the device waiting: bursts of 4 took the tiny config's batch-1 decode from 0.31 to
-    # 0.99 of the device's ceiling, pinned, and small int8 batch 1 from 0.92 to 0.99.  At
-    # batch 32 single steps already hide the host (1.0 of the ceiling) and bursts read 2-6%
-    # lower in one run, so larger steps stay single.
-    decode_burst: int = 4
+    # at most `burst_rows` rows (`default_burst`).
+    decode_burst: int = 1
     burst_rows: int = 8
 
     def with_kv_dtype(self, kv_dtype: str | None) -> "Platform":
@@ -168,4 +175,5 @@ def choose(cfg: MoondreamConfig, platform: str, attention: str | None = None,
         pack=tpu_attention.pack(cfg.text.head_dim) if attention in TPU_ATTENTION else 1,
         dense=default_dense(cfg, attention),
         grouped=default_grouped(platform), vision_loop=default_vision_loop(platform),
-        host_memory=host_platform(platform), dtype=cfg.dtype, kv_dtype=kv_dtype)
+        host_memory=host_platform(platform), dtype=cfg.dtype, kv_dtype=kv_dtype,
+        decode_burst=default_burst(platform))
