@@ -23,7 +23,8 @@ that overruns is killed and the next one starts:
            calls on the machine's CPU backend
   md2      full-size Moondream 2, random bf16 weights, batch 1, 8 and 32
            (`bench/gpu_md2.py`): ceiling, blocking and pipelined tokens/s, pipelined with
-           bursts of 4 (`--burst 4`: the host's share per token, docs/host.md), the step
+           bursts of 8 (`--burst 8`, the GPU's default: the host's share per token,
+           docs/host.md), the step
            against the 4.8 TB/s floor, the bubble
   caption  photon-caption images/s at full size, 24 mixed-size images (`bench/caption.py`)
   md3      Moondream 3 at full size (bf16), batch 1 and 32, every loop, the pool sized to
@@ -58,7 +59,7 @@ STEPS = [
     ("env", 25, 60, "versions, devices, memory, the private JAX APIs"),
     ("kernels", 95, 90, "the Pallas kernel tests on the real GPU"),
     ("engine", 80, 240, "every public surface on the GPU (pipelined, blocking) vs the CPU"),
-    ("md2", 170, 240, "Moondream 2 full size, batch 1/8/32: loops, bursts of 4, floor, "
+    ("md2", 170, 240, "Moondream 2 full size, batch 1/8/32: loops, bursts of 8, floor, "
                       "bubble"),
     ("caption", 80, 240, "photon-caption images/s at full size, 24 images"),
     ("md3", 30, 240, "Moondream 3 full size, batch 1/32, pool sized to the run"),
@@ -221,7 +222,7 @@ def _bench(script: str, args: list[str], process: bool = False) -> None:
 def step_md2(smoke: bool, work: str) -> None:
     _bench("gpu_md2.py", ["--config", "tiny", "--batch", "2", "--steps", "2", "--position",
                           "760", "--no-md3", "--burst", "2"] if smoke else
-           ["--batch", "1", "8", "32", "--steps", "32", "--no-md3", "--burst", "4"])
+           ["--batch", "1", "8", "32", "--steps", "32", "--no-md3", "--burst", "8"])
 
 
 def step_caption(smoke: bool, work: str) -> None:

@@ -4,9 +4,9 @@ For each (config, mode, batch) this prints one JSON line ("kind": "loops") with 
 tokens/s of
   - the blocking loop   (the engine with pipelined=False: launch, sample, wait, commit),
   - the pipelined loop  (the engine: commit t while forward t+1 runs), in single steps
-                         (decode_burst=1), and with each `--burst` k (default 4: k decode
-                         steps per launch at any batch; the engine's default on a GPU or TPU
-                         is bursts of 4 in steps of up to 8 rows, docs/host.md) as
+                         (decode_burst=1), and with each `--burst` k (default 4 and 8: k
+                         decode steps per launch at any batch; the engine's default on a GPU
+                         or TPU is bursts of 8 in steps of up to 8 rows, docs/host.md) as
                          "burstK" {tokens/s, over the ceiling, host ms per launch, host us
                          per committed token},
   - the ceiling         (the same forward + sample step iterated inside one jitted
@@ -292,7 +292,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--steps", type=int, default=16, help="decode steps per run")
     ap.add_argument("--reps", type=int, default=2, help="timed repetitions (median)")
-    ap.add_argument("--burst", type=int, nargs="*", default=[4],
+    ap.add_argument("--burst", type=int, nargs="*", default=[4, 8],
                     help="also time the pipelined engine with these decode_burst values, "
                          "side by side (a 'burstK' entry per value, bursts at any batch; the "
                          "'pipelined' loop runs single steps, decode_burst=1)")

@@ -159,7 +159,7 @@ class Moondream:
         max_lora_rank: the largest adapter rank a slot holds (smaller ones are padded;
             Moondream 3's experts hold max_lora_rank / experts_per_token each, as kestrel).
         decode_burst: decode steps one launch runs for plain text rows, in steps of up to 8
-            rows (None: the platform's: 4 on a GPU or TPU, 1 on a CPU; 1: every step
+            rows (None: the platform's: 8 on a GPU or TPU, 1 on a CPU; 1: every step
             single), so the host's per-launch work is paid once per that many tokens; the
             tokens are the same, and streams get them in groups of up to that many
             (docs/host.md).

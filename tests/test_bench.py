@@ -55,7 +55,8 @@ def test_pipeline_bench_smoke():
     host-work sweep, the zombie counter and the profiler's busy fraction."""
     rows = run("pipeline.py", "--config", "tiny", "--batch", "2", "--steps", "4", "--reps",
                "1", "--modes", "default", "pinned", "--busy", "--host-work", "0", "1",
-               "--zombies", "--zombie-len", "6", "--zombie-batches", "1", "2", "--aux-batch", "2")
+               "--zombies", "--zombie-len", "6", "--zombie-batches", "1", "2", "--aux-batch", "2",
+               "--burst", "4")
     loops = [r for r in rows if r["kind"] == "loops"]
     assert [row["mode"] for row in loops] == ["default", "pinned"]
     for row in loops:

@@ -112,15 +112,16 @@ def default_dense(cfg: MoondreamConfig, attention: str) -> bool:
 
 def default_burst(platform: str) -> int:
     """Decode steps per launch for plain text rows, by default (docs/host.md).  A launch
-    costs the host a fixed ~0.5-1.2 ms (uploads, dispatches, NumPy), whatever its rows.  On
-    an accelerator a full-size decode step at small batch is as short (~0.8 ms at batch 1
-    on an H200), so single steps would leave the device waiting for Python: 4 steps a
-    launch there (in the pinned stand-in on this project's CPU, bursts of 4 took the tiny
-    config's batch 1 from 0.23-0.31 to 0.78-0.99 of the device's ceiling, and small int8
-    from 0.92-0.94 to 0.99-1.06).  On a CPU that is itself the device, a real model's step
+    costs the host a fixed ~0.6-1.4 ms on this project's CPU (uploads, dispatches, NumPy),
+    whatever its rows.  On an accelerator a full-size decode step at small batch is as short
+    (~0.8 ms at batch 1 on an H200), so single steps would leave the device waiting for
+    Python: 8 steps a launch there.  In the pinned stand-in (a CPU core as the device, the
+    tiny config's 0.24-0.31 ms step), bursts of 8 took batch 1 from 0.23-0.28 to 0.99-1.03
+    of the device's ceiling and small int8 from 0.85-0.94 to 1.01, where bursts of 4 reached
+    only 0.69-0.79 at tiny batch 1.  On a CPU that is itself the device, a real model's step
     is 100x the launch (~0.15 s at full size), so bursts would gain under 1% and deliver
-    streamed tokens in clumps of 4: single steps there (`decode_burst=` opts in)."""
-    return 1 if host_platform(platform) else 4
+    streamed tokens in clumps: single steps there (`decode_burst=` opts in)."""
+    return 1 if host_platform(platform) else 8
 
 
 @dataclass(frozen=True)
