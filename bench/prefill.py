@@ -8,8 +8,9 @@ One JSON line per measurement:
                   batches of 2..13 crops: images/s per crop count;
   kind "mix":     decode rows running while image requests arrive, with the prefill inside
                   the pipeline (the engine's way) or the pipeline drained before each prefill
-                  (Photon's older rule): decode tokens/s, image requests' mean latency and
-                  the total time.
+                  (Photon's older rule): decode tokens/s, image requests' mean latency, the
+                  total time, and the decoding rows' gaps between commits (median, and the
+                  longest and 99th percentile over it: how long a new image freezes them).
 
     python bench/prefill.py            # tiny model (the fixture's shapes), CPU
     python bench/prefill.py --quick    # fewer sizes and counts
@@ -86,10 +87,12 @@ def mix(model, drain: bool, decode_rows: int, arrivals: int, steps: int) -> dict
         text = [Request("text", [0] + list(range(100, 116)), None,
                         Settings(temperature=0.0, max_tokens=steps), ignore_eos=True)
                 for _ in range(decode_rows)]
-        imgs = [Request("text", model.prompts.caption("short"), image(9, i),
-                        Settings(temperature=0.0, max_tokens=8), ignore_eos=True)
-                for i in range(arrivals)]
         for timed in (False, True):   # the first round compiles every shape it meets
+            # New images each round: the timed round's would otherwise hit the prefix cache
+            # and skip the encodes whose cost this measures.
+            imgs = [Request("text", model.prompts.caption("short"), image(9, i + 100 * timed),
+                            Settings(temperature=0.0, max_tokens=8), ignore_eos=True)
+                    for i in range(arrivals)]
             t0 = time.perf_counter()
             dec = [eng.submit(r) for r in text]
             lat = []
@@ -105,10 +108,29 @@ def mix(model, drain: bool, decode_rows: int, arrivals: int, steps: int) -> dict
         tokens = sum(s["rows"] * (eng.decode_burst if s["kind"] == "burst" else 1)
                      for s in eng.step_log() if s["t0"] >= t0 and s["kind"] in ("decode",
                                                                               "burst"))
+        gaps = stream_gaps(eng.step_log(), t0)
     finally:
         eng.close()
     return {"decode_tok_s": round(tokens / total, 1), "image_latency_ms":
-            round(1e3 * sum(lat) / len(lat), 1), "total_s": round(total, 3)}
+            round(1e3 * sum(lat) / len(lat), 1), "total_s": round(total, 3), **gaps}
+
+
+def stream_gaps(log, t0: float) -> dict:
+    """How long the decoding rows wait between commits while images arrive: the gaps
+    between consecutive step ends from the first decode step to the last (every step in
+    between holds the decoding rows back: a prefill, with its image's encode, runs alone),
+    as the median and the longest and 99th-percentile gap over it.  A commit is when a
+    stream's next piece goes out, so these are the streams' gaps up to delivery."""
+    steps = [s for s in log if s["t0"] >= t0]
+    dec = [s["t_end"] for s in steps if s["kind"] in ("decode", "burst")]
+    ends = sorted(s["t_end"] for s in steps if dec and dec[0] <= s["t_end"] <= dec[-1])
+    if len(ends) < 3:
+        return {}
+    gaps = np.diff(ends)
+    med = float(np.median(gaps))
+    return {"median_gap_ms": round(1e3 * med, 3),
+            "max_gap_over_median": round(float(gaps.max()) / med, 1),
+            "p99_gap_over_median": round(float(np.percentile(gaps, 99)) / med, 1)}
 
 
 def main(argv=None) -> int:

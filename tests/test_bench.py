@@ -81,6 +81,10 @@ def test_prefill_bench_smoke():
     kinds = {r["kind"] for r in rows}
     assert kinds == {"images", "crops", "mix"}
     assert {r["prefill"] for r in rows if r["kind"] == "mix"} == {"in_pipeline", "drained"}
+    for r in rows:
+        if r["kind"] == "mix":   # the decoding rows' gaps while images arrive
+            assert r["median_gap_ms"] > 0, r
+            assert r["max_gap_over_median"] >= r["p99_gap_over_median"] >= 1.0, r
     assert all(r["images_per_s"] > 0 for r in rows if "images_per_s" in r)
 
 
