@@ -69,3 +69,17 @@ def test_released_programs_give_their_mappings_back():
     assert grown > before + 40          # at least one mapping each, held by `_held`
     release_programs()
     assert hostmem.mappings_in_use() < before + (grown - before) / 4
+
+
+def test_an_engine_on_the_cpu_warns_at_close_past_the_share(tiny_ckpt, monkeypatch, caplog):
+    """The engine asks at close (what it compiled on first use), so a process that keeps
+    making engines hears of the limit before it reaches it."""
+    from photon_jax.engine.core import Engine
+    from photon_jax.model import Model
+
+    monkeypatch.setattr(hostmem, "_warned_mappings", False)
+    monkeypatch.setattr(hostmem, "mappings_warning", lambda: "near the limit")
+    eng = Engine(Model.load(tiny_ckpt), max_batch_size=1)
+    with caplog.at_level(logging.WARNING, logger="photon_jax.engine.core"):
+        eng.close()
+    assert "photon_jax: near the limit" in [r.getMessage() for r in caplog.records]

@@ -890,7 +890,7 @@ class Engine:
         t0 = time.perf_counter()
         n = len(rows)
         rb = step_mod.row_bucket(n, self.max_batch_size)
-        index = self.sched.grow_burst(rows, k)
+        index = self.sched.grow(rows, k)
         tables, ids = [s.pages for s in rows], [s.row for s in rows]
         adapters = [s.adapter_slot for s in rows]
         packed = [pack_decode(ids, [s.length + j for s in rows], tables, rb, self.max_pages,
@@ -899,19 +899,9 @@ class Engine:
         n_arenas = packed[0][2]
         metas = np.stack([p[0] for p in packed])
         pages = np.stack([p[1] for p in packed])
-        samp = np.zeros((step_mod.S_ALLOW + 1, rb), _I32)
-        samp[step_mod.S_ALLOW] = -1
-        temps = np.zeros(rb, np.float32)
-        top_ps = np.ones(rb, np.float32)
-        for i, (s, idx) in enumerate(zip(rows, index)):
-            cfg = s.req.settings
-            samp[step_mod.S_ROW, i] = s.row
-            samp[step_mod.S_CONSTRAINT, i] = s.skill.constraint(idx)
-            samp[step_mod.S_INDEX, i] = idx
-            samp[step_mod.S_SEED, i] = cfg.seed
-            temps[i], top_ps[i] = cfg.temperature, cfg.top_p
-        samp[step_mod.S_TEMP] = temps.view(_I32)
-        samp[step_mod.S_TOP_P] = top_ps.view(_I32)
+        # The first token's sampling rows, as `_finalize` builds them (the program advances
+        # the token index); every row is free text, so nothing is restricted or masked.
+        samp, temps = self._sampling_rows(rows, index, rb, width=1)
         splits = self.programs.decode_splits([s.length + k for s in rows], self.page_size,
                                              self.sms)
         with hostsync.sync_free():
@@ -931,6 +921,31 @@ class Engine:
 
     # finalize (sample) -------------------------------------------------------------------
 
+    def _sampling_rows(self, seqs: list[Seq], index: list[int], rb: int, width: int):
+        """The sampler's per-row operands for `seqs` at token `index` (`step.S_*` rows; the
+        allowed-ids block, `width` rows from S_ALLOW, left -1 for the caller): row, skill
+        constraint, token index, seed, temperature and top-p.  A zombie row is sampled
+        greedy and unconstrained, its result discarded.  -> (samp [S_ALLOW + width, rb],
+        temperatures [rb])."""
+        samp = np.zeros((step_mod.S_ALLOW + width, rb), _I32)
+        samp[step_mod.S_ALLOW:] = -1
+        temps = np.zeros(rb, np.float32)
+        top_ps = np.ones(rb, np.float32)
+        for i, s in enumerate(seqs):
+            samp[step_mod.S_ROW, i] = s.row
+            if s.finalized:
+                self.counters["zombie_rows"] += 1
+                continue
+            idx, cfg = index[i], s.req.settings
+            samp[step_mod.S_CONSTRAINT, i] = s.skill.constraint(idx)
+            samp[step_mod.S_INDEX, i] = idx
+            samp[step_mod.S_SEED, i] = cfg.seed
+            if not s.skill.spatial:   # detect / point are greedy, as in the reference
+                temps[i], top_ps[i] = cfg.temperature, cfg.top_p
+        samp[step_mod.S_TEMP] = temps.view(_I32)
+        samp[step_mod.S_TOP_P] = top_ps.view(_I32)
+        return samp, temps
+
     def _finalize(self) -> None:
         t0 = time.perf_counter()
         st = self.pipe.launch
@@ -947,30 +962,14 @@ class Engine:
         # The general path: per-row allowed ids, -1 padded to a power-of-two width (1 when
         # no row restricts), so the common step keeps one compiled shape.
         width = step_mod.row_bucket(max((len(a) for a in allowed if a), default=1), 1 << 20)
-        samp = np.zeros((step_mod.S_ALLOW + width, rb), _I32)
-        samp[step_mod.S_ALLOW:] = -1
+        for s, idx in zip(st.seqs, st.index):
+            if not s.finalized and s.skill.count != idx:
+                raise EngineError(f"sampling token {idx} of a request that committed "
+                                  f"{s.skill.count}: the pipeline lost its order")
+        samp, temps = self._sampling_rows(st.seqs, st.index, rb, width)
         for i, a in enumerate(allowed):
             if a:
                 samp[step_mod.S_ALLOW:step_mod.S_ALLOW + len(a), i] = a
-        temps = np.zeros(rb, np.float32)
-        top_ps = np.ones(rb, np.float32)
-        for i, s in enumerate(st.seqs):
-            samp[step_mod.S_ROW, i] = s.row
-            if s.finalized:   # a zombie: sampled unconstrained and greedy, result discarded
-                self.counters["zombie_rows"] += 1
-                continue
-            idx = st.index[i]
-            if s.skill.count != idx:
-                raise EngineError(f"sampling token {idx} of a request that committed "
-                                  f"{s.skill.count}: the pipeline lost its order")
-            cfg = s.req.settings
-            samp[step_mod.S_CONSTRAINT, i] = s.skill.constraint(idx)
-            samp[step_mod.S_INDEX, i] = idx
-            samp[step_mod.S_SEED, i] = cfg.seed
-            if not s.skill.spatial:   # detect / point are greedy, as in the reference
-                temps[i], top_ps[i] = cfg.temperature, cfg.top_p
-        samp[step_mod.S_TEMP] = temps.view(_I32)
-        samp[step_mod.S_TOP_P] = top_ps.view(_I32)
         # Output shapes: each shaped row's grammar mask for this token, computed now (the
         # token before it committed just above) while this step's forward runs; rows
         # without a shape allow everything.  Only a step with a shaped row uploads masks.

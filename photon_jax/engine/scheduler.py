@@ -500,18 +500,10 @@ class Scheduler:
             s.length, s.n_tokens, s.inflight_refs = s.prompt_end, 1, 1
         self.last_kind = "prefill"
 
-    def grow(self, rows: list[Seq]) -> list[int]:
-        """Before a decode step of `rows`: assign each row the page of the position it
-        writes when it crosses into one (from its reservation).  -> token index per row."""
-        for s in rows:
-            if s.length // self.page_size == len(s.pages):
-                s.pages += self.alloc.take(1, reserved=True)
-                s.reserved -= 1
-        return [s.n_tokens for s in rows]
-
-    def grow_burst(self, rows: list[Seq], k: int) -> list[int]:
-        """`grow` for a burst of k decode steps: each row's pages of its next k positions
-        (all within its reservation: `burst_len` keeps k inside every row's budget)."""
+    def grow(self, rows: list[Seq], k: int = 1) -> list[int]:
+        """Before a decode step (a burst: k steps) of `rows`: assign each row the pages of
+        the positions it writes when it crosses into them (from its reservation: a burst's
+        k stays inside every row's budget, `Engine._burst_len`).  -> token index per row."""
         for s in rows:
             while (s.length + k - 1) // self.page_size >= len(s.pages):
                 s.pages += self.alloc.take(1, reserved=True)
@@ -558,13 +550,12 @@ class Scheduler:
                 args = (token, values_K[j][i])
                 if logprobs_K is not None and s.req.settings.logprobs is not None:
                     args += (logprobs_K[j][i],)   # the skill keeps an answer token's
-                n += 1
                 try:
                     reason = s.skill.consume(*args)
                 except Exception as e:  # e.g. a tokenizer failure: this request alone fails
-                    n -= 1
                     self.finalize(s, "error", error=e)
                     break
+                n += 1
                 if reason is None and s.handle.cancel_requested:
                     reason = "cancelled"
                 if reason is not None:
