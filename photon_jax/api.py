@@ -98,7 +98,8 @@ class Moondream:
              attention: str | None = None, kv_dtype: str | None = None, mesh=None,
              tensor_parallel: int | None = None, weights: str | None = None,
              adapters: dict | None = None, max_adapters: int | None = None,
-             max_lora_rank: int = 16, decode_burst: int | None = None) -> "Moondream":
+             max_lora_rank: int = 16, decode_burst: int | None = None,
+             slice_images: bool = True, slice_ratio: float | None = None) -> "Moondream":
         """Load a model and start its engine.  `path`: a directory written by
         `photon-convert`, a Hugging Face snapshot directory (config.json + model.safetensors
         or a sharded index), or a hub id such as "vikhyatk/moondream2" (`revision`: a branch,
@@ -163,6 +164,11 @@ class Moondream:
             single), so the host's per-launch work is paid once per that many tokens; the
             tokens are the same, and streams get them in groups of up to that many
             (docs/host.md).
+        slice_images: while rows decode, a new image's encode and prefix prefill run a slice
+            (a few layers) between decode steps, so streams keep flowing (docs/slicing.md);
+            same results.  False: one program per image, the rows wait for it.
+        slice_ratio: the longest gap a decoding row should see while images are sliced, in
+            its median gaps (None: the engine's default, 4).
         Nothing is downloaded but a hub id's files missing from the Hugging Face cache (and
         the starmie tokenizer, when the snapshot lacks it) and variants named by requests,
         unless HF_HUB_OFFLINE is set.
@@ -225,7 +231,9 @@ class Moondream:
                         pipelined=pipelined, workers=workers, warmup=warmup,
                         kv_dtype=kv_dtype, max_adapters=max_adapters,
                         max_lora_rank=max_lora_rank, adapters=registry,
-                        adapters_on_demand=on_demand, decode_burst=decode_burst)
+                        adapters_on_demand=on_demand, decode_burst=decode_burst,
+                        slice_images=slice_images,
+                        **({} if slice_ratio is None else {"slice_ratio": slice_ratio}))
         if warmup:
             try:
                 engine.wait_warm()

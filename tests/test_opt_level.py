@@ -1,7 +1,7 @@
 """The suite compiles at XLA's -O0 on CPU, with its older elemental emitters
 (tests/conftest.py, helpers.SUITE_FLAGS: much less compile time, measured on the surfaces run);
-this file runs the golden parity tests and the engine's pipelined == blocking == reference
-test again at XLA's default level, in a process of its own, so that what users run (the
+this file runs the golden parity tests, the engine's pipelined == blocking == reference
+test and the image slices' bit-for-bit test again at XLA's default level, in a process of its own, so that what users run (the
 default level) is held to the reference fixtures too."""
 
 import os
@@ -25,7 +25,9 @@ def test_the_default_optimization_level_passes_the_parity_tests():
     child = suite_xla_flags(env)          # what the child's conftest will set
     assert not any(flag in child for flag in SUITE_FLAGS), child
     tests = [os.path.join(HERE, "test_parity.py"),
-             os.path.join(HERE, "test_engine.py::test_pipelined_equals_blocking_equals_reference")]
+             os.path.join(HERE, "test_engine.py::test_pipelined_equals_blocking_equals_reference"),
+             os.path.join(HERE, "test_slicing.py::test_slices_give_the_one_program_prefix_bit_"
+                                "for_bit")]
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
          "-p", "no:xdist", *tests],

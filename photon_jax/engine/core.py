@@ -54,12 +54,12 @@ from ..model.loaded import Model
 from ..model.pixels import pil_pixels
 from ..model.tokenizer import region_inputs
 from . import constraints, frontend, grammar, hostmem, hostsync, kvpool, memory, skills, \
-    step as step_mod
+    slicing, step as step_mod
 from .frontend import EncodedImage, ImagePrefix, PreparedImage
 from .inflight import PipelineState
 from .pages import pages_for
 from .request import EngineError, Handle, Request, RequestError
-from .scheduler import Outbox, Scheduler, Seq, adapter_key
+from .scheduler import Origin, Outbox, Scheduler, Seq, adapter_key
 from .settings import parse as parse_settings
 from .stepmeta import M_TABLE, pack_decode, pack_prefill
 
@@ -79,15 +79,17 @@ class StepTiming(NamedTuple):
     wait_s: float
     t0: float
     t_end: float
+    slice_flops: float = 0.0   # image slices launched in front of it (`slicing`)
 
 
 class _InFlightStep:
     __slots__ = ("kind", "slot", "seqs", "index", "meta", "out", "logprobs", "t_launch",
-                 "t_finalize", "t0")
+                 "t_finalize", "t0", "slices")
 
     def __init__(self, kind, slot, seqs, index, meta):
         self.kind, self.slot, self.seqs, self.index, self.meta = kind, slot, seqs, index, meta
         self.out = self.logprobs = None
+        self.slices = {}   # flops by kind of the image slices launched just before it
         self.t_launch = self.t_finalize = 0.0
         self.t0 = time.perf_counter()
 
@@ -107,7 +109,9 @@ class Engine:
                  kv_dtype: str | None = None, programs: step_mod.EnginePrograms | None = None,
                  max_adapters: int = 0, max_lora_rank: int = 16, adapters: dict | None = None,
                  adapters_on_demand: bool = False, decode_burst: int | None = None,
-                 burst_rows: int | None = None):
+                 burst_rows: int | None = None, slice_images: bool = True,
+                 slice_ratio: float = 4.0, slice_groups: tuple | None = None,
+                 slice_budget: float | None = None):
         cfg = model.cfg
         if not isinstance(max_adapters, int) or isinstance(max_adapters, bool) or \
                 not 0 <= max_adapters <= 256:
@@ -137,6 +141,16 @@ class Engine:
         if burst_rows is not None and (not isinstance(burst_rows, int) or isinstance(
                 burst_rows, bool) or burst_rows < 1):
             raise ValueError(f"burst_rows must be None or a positive int, got {burst_rows!r}")
+        if not isinstance(slice_ratio, (int, float)) or isinstance(slice_ratio, bool) or \
+                not slice_ratio > 1:
+            raise ValueError(f"slice_ratio must be a number > 1 (the longest gap a decoding "
+                             f"row may see, in its median gaps), got {slice_ratio!r}")
+        if slice_budget is not None and (not isinstance(slice_budget, (int, float)) or
+                                         isinstance(slice_budget, bool) or slice_budget < 0):
+            raise ValueError(f"slice_budget must be None (measured) or flops >= 0 per "
+                             f"decode launch, got {slice_budget!r}")
+        if slice_groups is not None:
+            slice_groups = slicing.check_groups(cfg, slice_groups)
         # The pool's format: None (the model's dtype) or 8-bit codes + scales (`kvpool`).
         self.kv_dtype = kvpool.canonical_kv_dtype(kv_dtype, cfg.dtype)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -234,6 +248,25 @@ class Engine:
         # Benchmark knobs: drain the pipeline before each prefill (Photon's older rule), and
         # burn this much host time per commit (to chart the gain against the host's share).
         self.prefill_drains, self.host_work_s = prefill_drains, host_work_ms / 1e3
+        # Image prefixes computed a slice at a time while rows decode (`slicing`,
+        # docs/slicing.md): the jobs in order, the budget between decode launches, and the
+        # flops by kind launched since the last one.
+        self.slice_images = bool(slice_images)
+        self.slice_groups = slice_groups or slicing.default_groups(
+            cfg, plat.name, sum(x.nbytes for x in jax.tree.leaves(model.params["text"])),
+            float(slice_ratio))
+        self.slicer = slicing.SliceBudget(float(slice_ratio), slicing.default_rate(plat.name),
+                                          slice_budget)
+        self._jobs: collections.OrderedDict = collections.OrderedDict()
+        # A finished job's pin, held for the request that started it until that request
+        # has left the waiting queue (launched, having read the pages, or gone): with the
+        # prefix cache off, the entry lives only while pinned (key -> Seq).
+        self._held: dict = {}
+        self._slice_work = dict.fromkeys(slicing.SliceBudget.KINDS, 0.0)
+        self._last_decode_commit = None   # when the last committed step (a decode) ended
+        self._text_layers = slicing.text_layers(model.params, cfg)
+        self._text_kinds = slicing.text_kinds(cfg)
+        self._scalars: dict = {}   # int32 scalars on the device (a slice's first layer)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="photon-prep")
         self._thread = threading.Thread(target=self._loop, name="photon-scheduler", daemon=True)
         self._thread.start()
@@ -271,10 +304,18 @@ class Engine:
         """Counters: steps by kind, tokens committed, zombie rows, and the prefix cache's
         hits, misses, inserts, evictions, current entries and pinned ones (held by
         `encode_image` handles or by running requests reading their pages), and the
-        conversation cache's pages read, inserted, evicted, held and pinned, and the LoRA
-        adapters' slots, those running rows hold, and the slot writes so far."""
+        conversation cache's pages read, inserted, evicted, held and pinned, the LoRA
+        adapters' slots, those running rows hold, and the slot writes so far, and the image
+        slicing's state (`slices` and `sliced_images` so far are counters)."""
         c, t = self.sched.cache, self.sched.text
+        b = self.slicer
+        gap = b.median_gap
         return {**dict(self.counters),
+                "slicing": {"enabled": self.slice_images, "groups": list(self.slice_groups),
+                            "ratio": b.ratio, "budget_s": b.seconds(),
+                            "rates_flops_per_s": dict(b.rates),
+                            "median_decode_gap_ms": None if gap is None else 1e3 * gap,
+                            "jobs": len(self._jobs)},
                 "prefix_cache": {"enabled": c.enabled, "hits": c.hits, "misses": c.misses,
                                  "inserts": c.inserts, "evictions": c.evictions,
                                  "entries": len(c.entries),
@@ -535,9 +576,10 @@ class Engine:
     def _compile_prefill_shapes(self) -> None:
         """Compile the prompt prefill for every prefill row bucket, prompts of up to 32
         tokens (captions and short questions), after an image prefix and text-only; the
-        prefix page writes and copies; and the vision encoder for the crop layouts of
-        4:3, 3:4 and square images of at least 756 pixels a side (the common photo shapes;
-        other layouts compile when first seen).  Padding rows write page 0 only."""
+        prefix page writes and copies; and the vision encoder and image prefix, whole and
+        in slices, for the crop layouts of 4:3, 3:4 and square images of at least 756
+        pixels a side (the common photo shapes; other layouts compile when first seen).
+        Padding rows write page 0 only."""
         P, params, cfg = self.programs, self.model.params, self.cfg
         put = lambda a: jax.device_put(a, self.placement)  # noqa: E731
         for rb in step_mod.prefill_row_buckets(self.max_batch_size):
@@ -560,6 +602,13 @@ class Engine:
         for hw in ((768, 1024), (1024, 768), (1024, 1024)):
             prep = frontend.prepare_image(self.model, np.full((*hw, 3), 128, np.uint8))
             self._write_prefix(self._encode(prep), zero)
+            if self.slice_images:   # ... and its slices (their results are dropped)
+                job = slicing.ImageJob(b"", None, prep, slicing.plan(
+                    cfg, prep.crops.shape[0], self.slice_groups))
+                slot = None if self.lora is None else self._scalar_row(0)
+                for sl in job.slices:
+                    slicing.launch(P, params, self._text_layers, self._text_kinds, job, sl,
+                                   self._scalar, self.lora, slot)
         jax.block_until_ready(self.dev.pool)
 
     def _lora_arg(self) -> tuple:
@@ -589,7 +638,7 @@ class Engine:
                 self.sched.flush_outbox()   # what the tick decided outside a commit
                 if not progressed:
                     if (self._closing and self.sched.drained() and self.pipe.idle()
-                            and self._inbox.empty()):
+                            and not self._jobs and not self._held and self._inbox.empty()):
                         break
                     self.sched.check_stuck(self.pipe.idle())
                     self._wake.wait(0.05)
@@ -634,9 +683,15 @@ class Engine:
         return True
 
     def _run_encodes(self) -> None:
-        """`Engine.encode` jobs: pin the image's entry, computing it if it is not cached."""
+        """`Engine.encode` jobs: pin the image's entry, computing it if it is not cached
+        (a slice at a time while rows decode: the handle comes when the last is launched)."""
         while (job := self.sched.next_encode()) is not None:
             s, src = job
+            if not src.hit and self.slice_images and self._decoding():
+                self._start_job(s, src.entry, s.adapter_slot,
+                                functools.partial(self._encoded, s, src.entry))
+                s.adapter_slot = 0   # the job holds the slot now
+                continue
             if not src.hit:
                 with hostsync.sync_free():
                     if s.adapter_slot:
@@ -648,28 +703,161 @@ class Engine:
                 # the reads launched before it).
                 self.sched.adapters.release(s.adapter_slot)
                 s.adapter_slot = 0
-            self.sched.finish_encode(s, EncodedImage(self, s.key, src.entry.tiling,
-                                                     s.adapter))
+            self._encoded(s, src.entry)
+
+    def _encoded(self, s: Seq, entry) -> None:
+        self.sched.finish_encode(s, EncodedImage(self, s.key, entry.tiling, s.adapter))
+
+    # image slices (`slicing`) ------------------------------------------------------------
+
+    def _decoding(self) -> bool:
+        """Are rows generating (so an image's encode would hold them back)?"""
+        return any(not s.finalized for s in self.sched.running)
+
+    def _slices(self, decoding: bool) -> None:
+        """Before a decode launch: slices of the oldest jobs up to the budget (at least one,
+        so every job advances with each decode step: none starves).  With no row decoding
+        (`decoding` False), every job runs to its end now, and a job not started yet runs as
+        the one-program encode: no slicing overhead when nobody waits."""
+        budget = self.slicer.limit() if decoding else float("inf")
+        spent = 0.0
+        with hostsync.sync_free():
+            while self._jobs:
+                job = next(iter(self._jobs.values()))
+                if not decoding and not job.started:
+                    self._whole(job)
+                    continue
+                sl = job.peek()
+                cost = self.slicer.cost(sl)
+                if spent and spent + cost > budget:
+                    break
+                self._run_slice(job, sl)
+                spent += cost
+                self._slice_work[slicing.rate_kind(sl)] += sl.flops
+
+    def _start_jobs(self) -> None:
+        """Jobs for the waiting requests whose image is a miss, in arrival order, while
+        rows are free for them (an image nobody can take a row for would only hold pages)."""
+        sched = self.sched
+        room = max(1, len(sched.free_rows)) - len(self._jobs)
+        blocked = sched.slot_blocked()
+        for s in list(sched.waiting):
+            if room <= 0:
+                return
+            if not sched.resolve(s) or s.key is None or s.key in self._jobs or \
+                    not isinstance(s.image, PreparedImage) or not s.image.has_crops:
+                continue
+            try:
+                src = sched.source(s)
+            except RequestError:
+                continue   # the prefill plan fails it
+            if src is None or src.origin is not Origin.MISS:
+                continue
+            slot = 0
+            if s.adapter is not None:   # computed under the adapter, as the reference does
+                if blocked is not None and s.id > blocked:
+                    continue
+                slot = sched.adapters.acquire(s.adapter)
+                if slot is None:
+                    continue
+            if sched.alloc.available() < sched.prefix_pages:
+                sched.evict_for(sched.prefix_pages)
+            entry = sched.cache.insert(s.key, sched.prefix_pages, s.image.tiling, pin=True)
+            if entry is None:   # no pages now: the prefill plan encodes it whole
+                sched.adapters.release(slot)
+                continue
+            sched.cache.count_miss()
+            self._start_job(s, entry, slot)
+            room -= 1
+
+    def _release_held(self) -> None:
+        """Unpin finished jobs' entries whose request left the waiting queue."""
+        if self._held:
+            waiting = set(map(id, self.sched.waiting))
+            for key, s in list(self._held.items()):
+                if id(s) not in waiting:
+                    del self._held[key]
+                    self.sched.cache.unpin(key)
+
+    def _start_job(self, s: Seq, entry, slot: int, on_done=None) -> None:
+        entry.pending = True
+        if slot:
+            held, s.adapter_slot = s.adapter_slot, slot
+            self._write_adapters([s])
+            s.adapter_slot = held
+        crops = s.image.crops.shape[0]
+        self._jobs[s.key] = slicing.ImageJob(
+            s.key, entry, s.image, slicing.plan(self.cfg, crops, self.slice_groups), slot,
+            s, on_done)
+
+    def _scalar_row(self, n: int):
+        """[1] int32 holding n, on the device (an adapter slot's id)."""
+        return jax.device_put(np.full(1, n, _I32), self.placement)
+
+    def _scalar(self, n: int):
+        a = self._scalars.get(n)
+        if a is None:
+            a = self._scalars[n] = jax.device_put(np.int32(n), self.placement)
+        return a
+
+    def _run_slice(self, job: slicing.ImageJob, sl: slicing.Slice) -> None:
+        """Launch one slice of `job` (asynchronous), and its page write after the last."""
+        slot = None if self.lora is None else self._scalar_row(job.adapter_slot)
+        enc = slicing.launch(self.programs, self.model.params, self._text_layers,
+                             self._text_kinds, job, sl, self._scalar, self.lora, slot)
+        self.counters["slices"] += 1
+        if enc is not None:
+            self.counters["sliced_images"] += 1
+            self._end_job(job, enc)
+
+    def _whole(self, job: slicing.ImageJob) -> None:
+        """A job not started yet, as the one-program encode (nothing decodes now)."""
+        self._end_job(job, self._encode(job.prep, job.adapter_slot))
+
+    def _end_job(self, job: slicing.ImageJob, enc: ImagePrefix) -> None:
+        """The prefix into the entry's pages; its requests may read it from now on (the
+        device runs launches in order)."""
+        if job.entry is not None:
+            self._write_prefix(enc, job.entry.pages)
+        del self._jobs[job.key]
+        job.x = job.h = job.k = job.v = job.prep = None
+        self.sched.adapters.release(job.adapter_slot)
+        if job.entry is not None:
+            job.entry.pending = False
+            if job.on_done is not None:
+                job.on_done()   # an `Engine.encode`: its pin passes to the handle
+            else:
+                self._held[job.key] = job.seq
 
     # launch ---------------------------------------------------------------------------
 
     def _launch(self) -> bool:
         slot = self.pipe.free_slot()
         decode = self.sched.eligible()
+        decoding = self.slice_images and self._decoding()
+        self._release_held()
+        if decoding:
+            self._start_jobs()   # before the plan: a miss becomes a job, not a whole encode
         batch = self.sched.plan_prefill(bool(decode))
         if batch and self.prefill_drains and not self.pipe.idle():
             self.sched.unplan(batch)
             return False   # let the steps in flight commit first
+        if self._jobs and not decoding:
+            self._slices(decoding=False)   # nobody waits: every job to its end now
         if batch:
+            # No slices in front of a prefill: it is this gap's work already.
+            self._slice_work = dict.fromkeys(self._slice_work, 0.0)   # (not measured)
             self._launch_prefill(batch, slot)
         elif decode:
+            if self._jobs:
+                self._slices(decoding=True)
             k = self._burst_len(decode)
             if k > 1:
                 self._launch_burst(decode, slot, k)
             else:
                 self._launch_decode(decode, slot)
         else:
-            return False
+            return bool(self._jobs) and not decoding   # (ran them all: progress)
         return True
 
     def _burst_len(self, rows: list[Seq]) -> int:
@@ -879,6 +1067,7 @@ class Engine:
             dev.pool = dev.pool.merge(part)
         self.sched.start_decode(rows)
         st = _InFlightStep("decode", slot, rows, index, meta_d)
+        st.slices, self._slice_work = self._slice_work, dict.fromkeys(self._slice_work, 0.0)
         st.t0, st.t_launch = t0, time.perf_counter() - t0
         self.pipe.on_launch(st)
 
@@ -916,6 +1105,7 @@ class Engine:
         self.sched.start_decode(rows, k)
         st = _InFlightStep("burst", slot, rows, index, meta_d)
         st.out = outs
+        st.slices, self._slice_work = self._slice_work, dict.fromkeys(self._slice_work, 0.0)
         st.t0, st.t_launch = t0, time.perf_counter() - t0
         self.pipe.on_launch(st)
 
@@ -1016,6 +1206,13 @@ class Engine:
         host = np.array(st.out)   # a copy: a live view would defeat the slot's donation
         lps = None if st.logprobs is None else np.array(st.logprobs)
         t1 = time.perf_counter()
+        # The slice budget's measure: the gap since the previous decode step's end.
+        if st.kind == "prefill":
+            self._last_decode_commit = None
+        else:
+            if self._last_decode_commit is not None:
+                self.slicer.observe(t1 - self._last_decode_commit, st.slices)
+            self._last_decode_commit = t1
         st.out = st.logprobs = None
         if st.kind == "burst":   # [k, R, 3]: k tokens per row
             n = self.sched.commit_burst(st.seqs, host[:, :, 0],
@@ -1035,10 +1232,13 @@ class Engine:
         t2 = time.perf_counter()
         self.counters[st.kind] += 1
         self.steps_log.append(StepTiming(st.kind, len(st.seqs), st.t_launch, st.t_finalize,
-                                         t2 - t1, t1 - t0, st.t0, t2))
+                                         t2 - t1, t1 - t0, st.t0, t2,
+                                         sum(st.slices.values()) if st.slices else 0.0))
         self.sched.flush_outbox()
 
     def _fail_everything(self, err: BaseException) -> None:
+        self._jobs.clear()   # (their requests fail below; the pool is gone with the engine)
+        self._held.clear()
         self.sched.flush_outbox()   # results finished before the failure still count
         self._take_inbox()
         self.sched.fail_all(err)

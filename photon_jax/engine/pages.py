@@ -109,11 +109,13 @@ class PageAllocator:
 
 @dataclass
 class Entry:
-    """One cached image prefix: its pages (logical order) and its pins."""
+    """One cached image prefix: its pages (logical order) and its pins.  `pending`: its
+    prefix is being computed a slice at a time (`engine.slicing`); nothing reads it yet."""
     key: bytes
     pages: list[int]
     tiling: tuple
     pins: int = 0
+    pending: bool = False
 
 
 @dataclass

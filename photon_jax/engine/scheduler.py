@@ -38,7 +38,8 @@ class Origin(enum.Enum):
     """Where a request's image prefix comes from (`Source.origin`)."""
     HIT = "hit"       # the prefix cache holds it: the request reads (or copies) the entry
     MISS = "miss"     # encoded for this request, into a new cache entry when there is one
-    LATER = "later"   # its crops were skipped for a predicted hit evicted since: re-prepared
+    LATER = "later"   # its crops were skipped for a predicted hit evicted since: re-prepared,
+                      # or its entry is still being computed a slice at a time
 
 
 @dataclass(frozen=True)
@@ -227,12 +228,14 @@ class Scheduler:
 
     def source(self, s: Seq) -> Source | None:
         """Where the request's image prefix comes from: a hit, a miss (its entry not made
-        yet), `LATER`, or None (no image, or a dense prefix)."""
+        yet), `LATER` (re-prepared, or its entry still being computed), or None (no image,
+        or a dense prefix)."""
         if s.key is None:
             return None
         entry = self.cache.get(s.key)
         if entry is not None:
-            return Source(Origin.HIT, entry)
+            # Being computed slice by slice: the request waits for its last slice.
+            return LATER if entry.pending else Source(Origin.HIT, entry)
         if s.encoded:
             raise RequestError("this EncodedImage was released and its prefix evicted; "
                                "encode the image again")

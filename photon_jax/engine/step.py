@@ -44,7 +44,7 @@ from ..base.dtypes import F32, jnp_dtype
 from ..kernels import cpukernel, gpu_attention
 from ..model import lora, quant, sampling, text, vision
 from ..model.config import KIND_COORD, KIND_IMAGE, KIND_SIZE, KIND_TOKEN, MoondreamConfig
-from ..model.layers import linear
+from ..model.layers import layer_norm, linear
 from ..model.platforms import (DENSE_MIN_ROWS, GPU_ATTENTION, TPU_ATTENTION, Platform,
                                check_attention, choose, default_dense)
 from ..model.region import region_heads
@@ -401,6 +401,18 @@ def _burst(params, pool, slot, pending, tables, metas_KFR, pages_K2P, samp_FR,
     return pool, slot, pending, outs
 
 
+def _prefix_input(params, x_CZE, src, ph, pw, *, cfg):
+    """The encoder's last activations -> (the image prefix's input [1, S, D], and zeroed
+    K and V buffers [L, S, K, H] for `text.prefix_layers`): post_ln, pooling and projection
+    (`vision.encode_image`'s end), BOS in front (`text.image_kv`).  The buffers are made
+    here, on the device, rather than uploaded."""
+    pv = params["vision"]
+    emb = vision.project(pv, layer_norm(x_CZE, pv["post_ln"]), src, ph, pw)
+    h = text.image_prefix(params, emb, cfg=cfg)
+    kv = text.init_cache(cfg, rows=1, length=h.shape[1])
+    return h, kv.k[:, 0], kv.v[:, 0]
+
+
 def _write_prefix_pages(pool: KVPool, k_LSKH, v_LSKH, page_S, off_S, *, tp=None) -> KVPool:
     """An image prefix's dense K/V ([L, S, K, H] each) into pool pages, position s at
     (page_S[s], off_S[s]); an 8-bit pool quantizes them here (once: cache hits copy or share
@@ -476,6 +488,20 @@ class EnginePrograms:
     # stack_images(tuple of them) -> [N, Z, D], the prefill's `images` argument.
     image_embeddings: Callable = None
     stack_images: Callable = None
+    # An image prefix a group of layers per launch (`engine.slicing`): vision_embed(params,
+    # crops) -> patch embeddings; vision_blocks(params, x, first, n) -> x after blocks
+    # first.. first + n (n static); prefix_input(params, x, src, ph, pw) -> (BOS + the
+    # projected image embeddings [1, S, D], zeroed K, V [L, S, K, H]); prefix_layers(layers, kinds, h, k, v, first,
+    # adapters, slot, kv_only=False) -> (h, k, v) after those decoder layers (kinds
+    # static; kv_only: (k, v) alone, the last group's).
+    vision_embed: Callable = None
+    vision_blocks: Callable = None
+    prefix_input: Callable = None
+    prefix_layers: Callable = None
+    # ... and by halves of a layer: prefix_attention(layer, x, k, v, first, adapters, slot,
+    # kv_only=False) -> (x, h, k, v) or (k, v); prefix_mlp(layer, kind, x, h, adapters, slot) -> x (kind static).
+    prefix_attention: Callable = None
+    prefix_mlp: Callable = None
     attention: str = "xla"   # the decode attention forward and ceiling were built with
     tp: object = None        # the mesh layout the engine's programs were built for
 
@@ -624,6 +650,19 @@ def _build(cfg, attention, candidates, grouped, vision_loop, dense, tp,
         image_embeddings=jax.jit(lambda params, *img: vision.encode_image(
             params, *img, cfg=cfg, vision_loop=vision_loop)[1]),
         stack_images=jax.jit(jnp.stack),
+        vision_embed=jax.jit(lambda params, crops: vision.embed_crops(
+            params["vision"], crops, cfg.vision, jnp_dtype(cfg.dtype))),
+        vision_blocks=jax.jit(lambda params, x, first, n: vision.encode_blocks(
+            params["vision"], x, first, n, cfg.vision, vision_loop),
+            static_argnums=(3,), donate_argnums=(1,)),
+        prefix_input=jax.jit(partial(_prefix_input, cfg=cfg)),
+        # (The hidden is not donated: the last slice returns none to reuse it for.)
+        prefix_layers=jax.jit(partial(text.prefix_layers, **e), static_argnums=(1,),
+                              static_argnames=("kv_only",), donate_argnums=(3, 4)),
+        prefix_attention=jax.jit(partial(text.prefix_attention, **e),
+                                 static_argnames=("kv_only",), donate_argnums=(2, 3)),
+        prefix_mlp=jax.jit(partial(text.prefix_mlp, **e), static_argnums=(1,),
+                           donate_argnums=(2,)),
         attention=attention,
         tp=tp,
     )

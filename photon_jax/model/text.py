@@ -197,47 +197,84 @@ def forward(pt, cfg: TextConfig, x_RTD, pos_RT, kv, access, grouped: str = "bloc
     the dense blocks where the reference adds them (Moondream 3: fc1 and fc2 of its dense
     blocks and every expert, as kestrel adds them).
     """
+    return forward_layers(layer_params(pt, cfg), cfg, x_RTD, pos_RT, kv, access, grouped,
+                          dense, tp, lora)
+
+
+def forward_layers(layers: list, cfg: TextConfig, x_RTD, pos_RT, kv, access,
+                   grouped: str = "blocks", dense=linear, tp=None, lora=None,
+                   halves: bool = False):
+    """`forward` over `layers` ((params, kind) each, in order), layer i of them writing
+    layer i of `kv` and reading adapter layer i of `lora`: the whole decoder, or a group of
+    its layers (an image prefix computed a few layers per launch, `prefix_layers`).
+
+    `halves`: each layer's halves' outputs (x + attention and ln(x), then x + MLP) are held
+    in their dtype between the halves and between layers, as if each half were its own
+    program.  XLA may otherwise keep a bfloat16 sum in float32 into the next fused op (its
+    "excess precision"), which a boundary between launches rounds away: with it, an image
+    prefix computed in one program and in slices agree to the bit in bfloat16 too (and
+    each sum is rounded where the reference's bfloat16 arithmetic rounds it)."""
     if tp is not None:
         dense = tp.dense(dense)
-    r, t, d = x_RTD.shape
-    nh, kh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    hold = jax.lax.optimization_barrier if halves else (lambda v: v)
     x, routes = x_RTD, []
-    for li, (p, kind) in enumerate(layer_params(pt, cfg)):
-        h = layer_norm(x, p["ln"])
-        qkv = dense(h, p["qkv"])
-        if lora is not None:
-            qkv = lora.add(li, "qkv", h, qkv)
-        q = qkv[..., : nh * hd].reshape(r, t, nh, hd)
-        k = qkv[..., nh * hd:(nh + kh) * hd].reshape(r, t, kh, hd)
-        v = qkv[..., (nh + kh) * hd:].reshape(r, t, kh, hd)
-        if cfg.tau:
-            tq, tv = tau_factors(p["tau"], qkv, pos_RT)
-            q = q * tq[..., None]
-            # One factor per query head; kv head j takes head j's (all heads have their own
-            # kv head in Moondream 3).
-            v = v * tv[..., :kh, None]
-        q = apply_rope(q, pos_RT, cfg)
-        k = apply_rope(k, pos_RT, cfg)
-        kv, a = access.update(kv, li, q, k, v, pos_RT)
-        # (x + attn) + mlp, in the reference's order: it matters for bf16 rounding.
-        o = dense(a.reshape(r, t, nh * hd), p["proj"])
-        if lora is not None:   # the reference adapts proj from the block input h
-            o = lora.add(li, "proj", h, o)
-        x = x + o
-        if kind == "moe":
-            m, rt = moe.moe_mlp(p["moe"], h, cfg.moe.experts_per_token, with_routes=True,
-                                grouped=grouped, tp=tp,
-                                lora=None if lora is None else lora.experts(li, t))
+    for li, (p, kind) in enumerate(layers):
+        x, h, kv = layer_attention(p, li, cfg, x, pos_RT, kv, access, dense, lora)
+        x, h = hold((x, h))
+        x, rt = layer_mlp(p, kind, li, cfg, x, h, grouped, dense, tp, lora)
+        x = hold(x)
+        if rt is not None:
             routes.append(rt)
-        elif lora is not None:
-            g = gelu_tanh(lora.add(li, "fc1", h, dense(h, p["fc1"])))
-            m = lora.add(li, "fc2", g, dense(g, p["fc2"]))
-        else:
-            m = mlp(h, p, dense)
-        x = x + m
     if routes:
         routes = tuple(jnp.stack(xs) for xs in zip(*routes))
     return x, kv, routes or None
+
+
+def layer_attention(p, li: int, cfg: TextConfig, x, pos_RT, kv, access, dense=linear,
+                    lora=None):
+    """A decoder layer's first half -> (x + attention, its block input h = ln(x), kv).
+    Moondream's block is parallel (attention and MLP both read h), so the two halves are
+    separable: an image prefix may run them in different launches (`prefix_attention`,
+    `prefix_mlp`)."""
+    r, t, d = x.shape
+    nh, kh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    h = layer_norm(x, p["ln"])
+    qkv = dense(h, p["qkv"])
+    if lora is not None:
+        qkv = lora.add(li, "qkv", h, qkv)
+    q = qkv[..., : nh * hd].reshape(r, t, nh, hd)
+    k = qkv[..., nh * hd:(nh + kh) * hd].reshape(r, t, kh, hd)
+    v = qkv[..., (nh + kh) * hd:].reshape(r, t, kh, hd)
+    if cfg.tau:
+        tq, tv = tau_factors(p["tau"], qkv, pos_RT)
+        q = q * tq[..., None]
+        # One factor per query head; kv head j takes head j's (all heads have their own
+        # kv head in Moondream 3).
+        v = v * tv[..., :kh, None]
+    q = apply_rope(q, pos_RT, cfg)
+    k = apply_rope(k, pos_RT, cfg)
+    kv, a = access.update(kv, li, q, k, v, pos_RT)
+    # (x + attn) + mlp, in the reference's order: it matters for bf16 rounding.
+    o = dense(a.reshape(r, t, nh * hd), p["proj"])
+    if lora is not None:   # the reference adapts proj from the block input h
+        o = lora.add(li, "proj", h, o)
+    return x + o, h, kv
+
+
+def layer_mlp(p, kind: str, li: int, cfg: TextConfig, x, h, grouped: str = "blocks",
+              dense=linear, tp=None, lora=None):
+    """A decoder layer's second half -> (x + MLP(h), the MoE routing or None)."""
+    rt = None
+    if kind == "moe":
+        m, rt = moe.moe_mlp(p["moe"], h, cfg.moe.experts_per_token, with_routes=True,
+                            grouped=grouped, tp=tp,
+                            lora=None if lora is None else lora.experts(li, h.shape[1]))
+    elif lora is not None:
+        g = gelu_tanh(lora.add(li, "fc1", h, dense(h, p["fc1"])))
+        m = lora.add(li, "fc2", g, dense(g, p["fc2"]))
+    else:
+        m = mlp(h, p, dense)
+    return x + m, rt
 
 
 def logits(pt, hidden_RD, dense=linear, tp=None):
@@ -296,9 +333,70 @@ def image_kv(params, crops_u8, src, ph, pw, adapters=None, slot_1=None, *,
     pos = jnp.arange(n, dtype=jnp.int32)[None]
     zero, full = jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32)
     rows = None if adapters is None else lora.Rows(adapters, slot_1, lora_mode)
-    _, cache, _ = forward(params["text"], cfg.text, image_prefix(params, emb, cfg=cfg),
-                          pos, cache, DenseAccess(zero, full, n), grouped, tp=tp, lora=rows)
+    # (Each layer's halves held apart: the same bits as the prefix in slices, `halves`.)
+    _, cache, _ = forward_layers(layer_params(params["text"], cfg.text), cfg.text,
+                                 image_prefix(params, emb, cfg=cfg), pos, cache,
+                                 DenseAccess(zero, full, n), grouped, tp=tp, lora=rows,
+                                 halves=True)
     return cache.k[:, 0], cache.v[:, 0]
+
+
+def prefix_layers(layers: list, kinds: tuple, h_1SD, k_LSKH, v_LSKH, first, adapters=None,
+                  slot_1=None, *, cfg: MoondreamConfig, grouped="blocks", tp=None,
+                  lora_mode="gather", kv_only: bool = False):
+    """Layers first .. first + len(layers) of an image prefix's prefill (`image_kv`'s text
+    part, a group of layers per launch) -> (hidden after them [1, S, D], K, V).  `layers`:
+    those layers' params, `kinds` their kinds; `adapters` those layers' adapter tables
+    (None: none).  Their K/V go into the prefix's dense [L, S, K, H] buffers at layer
+    `first` (traced: one program per group shape, not per position in the stack).  The
+    same arithmetic per layer as `image_kv`'s one pass: a layer's inputs are the previous
+    layer's outputs whichever launch computed them.  `kv_only` (the last group): -> (K, V)
+    only; the compiler drops what only the hidden needed (the last layer's attention
+    output and MLP), as it does in `image_kv`."""
+    n, g = h_1SD.shape[1], len(layers)
+    cache = init_cache(cfg, rows=1, length=n, dtype=k_LSKH.dtype)
+    cache = KVCache(cache.k[:g], cache.v[:g])
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    zero, full = jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32)
+    rows = None if adapters is None else lora.Rows(adapters, slot_1, lora_mode)
+    h, cache, _ = forward_layers(list(zip(layers, kinds)), cfg.text, h_1SD, pos, cache,
+                                 DenseAccess(zero, full, n), grouped, tp=tp, lora=rows,
+                                 halves=True)
+    at = (first, 0, 0, 0)
+    kv = (jax.lax.dynamic_update_slice(k_LSKH, cache.k[:, 0], at),
+          jax.lax.dynamic_update_slice(v_LSKH, cache.v[:, 0], at))
+    return kv if kv_only else (h, *kv)
+
+
+def prefix_attention(layer, x_1SD, k_LSKH, v_LSKH, first, adapters=None, slot_1=None, *,
+                     cfg: MoondreamConfig, grouped="blocks", tp=None, lora_mode="gather",
+                     kv_only: bool = False):
+    """The first half of decoder layer `first` of an image prefix (`prefix_layers` by
+    halves, for slices finer than a layer) -> (x + attention, h = ln(x), K, V with the
+    layer's K/V written); with `kv_only` (the last layer), (K, V) alone: its attention is
+    dropped by the compiler.  `adapters`: that layer's adapter tables as a one-element
+    list (None: none)."""
+    rows = None if adapters is None else lora.Rows(adapters, slot_1, lora_mode)
+    dense = linear if tp is None else tp.dense(linear)
+    n = x_1SD.shape[1]
+    cache = init_cache(cfg, rows=1, length=n, dtype=k_LSKH.dtype)
+    cache = KVCache(cache.k[:1], cache.v[:1])
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    zero, full = jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32)
+    x, h, cache = layer_attention(layer, 0, cfg.text, x_1SD, pos, cache,
+                                  DenseAccess(zero, full, n), dense, rows)
+    at = (first, 0, 0, 0)
+    kv = (jax.lax.dynamic_update_slice(k_LSKH, cache.k[:, 0], at),
+          jax.lax.dynamic_update_slice(v_LSKH, cache.v[:, 0], at))
+    return kv if kv_only else (x, h, *kv)
+
+
+def prefix_mlp(layer, kind: str, x_1SD, h_1SD, adapters=None, slot_1=None, *,
+               cfg: MoondreamConfig, grouped="blocks", tp=None, lora_mode="gather"):
+    """The second half of a decoder layer of an image prefix -> x + MLP(h)."""
+    rows = None if adapters is None else lora.Rows(adapters, slot_1, lora_mode)
+    dense = linear if tp is None else tp.dense(linear)
+    return layer_mlp(layer, kind, 0, cfg.text, x_1SD, h_1SD, grouped, dense, tp, rows)[0]
 
 
 def _rows(adapters, slot_R):

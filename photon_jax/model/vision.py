@@ -84,14 +84,33 @@ def _block(x_CZE, p, n_heads: int, loop: bool):
 def encode_crops(pv, crops_u8, cfg: VisionConfig, dtype, loop: bool = False):
     """[C, crop, crop, 3] uint8 -> [C, patches, enc_dim] features (after post_ln).  `loop`:
     attention one (crop, head) at a time (`attention_per_crop_head`; the CPU's choice)."""
-    x = patchify(normalize(crops_u8, dtype), cfg)
-    x = linear(x, pv["patch_emb"]) + pv["pos_emb"].astype(dtype)[None]
+    x = embed_crops(pv, crops_u8, cfg, dtype)
 
     def body(x, p):
         return _block(x, p, cfg.enc_n_heads, loop), None
 
     x, _ = jax.lax.scan(body, x, pv["blocks"])
     return layer_norm(x, pv["post_ln"])
+
+
+def embed_crops(pv, crops_u8, cfg: VisionConfig, dtype):
+    """[C, crop, crop, 3] uint8 -> [C, patches, enc_dim]: patch and position embeddings,
+    the input of the first block."""
+    x = patchify(normalize(crops_u8, dtype), cfg)
+    return linear(x, pv["patch_emb"]) + pv["pos_emb"].astype(dtype)[None]
+
+
+def encode_blocks(pv, x_CZE, first, n: int, cfg: VisionConfig, loop: bool = False):
+    """Blocks first .. first + n of the encoder over x (an encode a few blocks per launch):
+    `first` is traced, so every group of n blocks is one program; each block's weights are
+    indexed out of the stack as `encode_crops`'s scan does, with the same arithmetic."""
+    def body(x, i):
+        p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
+                         pv["blocks"])
+        return _block(x, p, cfg.enc_n_heads, loop), None
+
+    x, _ = jax.lax.scan(body, x_CZE, first + jnp.arange(n, dtype=jnp.int32))
+    return x
 
 
 def project(pv, feats_CZE, src_HW, ph_GH, pw_GW):
