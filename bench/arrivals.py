@@ -2,8 +2,8 @@
 arrivals pay, with image prefixes sliced between decode steps and without (today's whole
 encode), side by side in one process.
 
-The scenario (issue 60): `--streams` rows decode greedily; once they run, `--arrivals`
-caption requests with new images arrive at once.  One JSON line per mode:
+The scenario (issue 60): `--streams` rows decode greedily, each read as a stream by a
+thread; once they run, `--arrivals` caption requests with new images arrive at once.  One JSON line per mode:
   median_gap_ms            the streams' median gap between commits before the arrivals;
   max_gap_over_median      the longest gap while the arrivals are encoded and prefilled
   p99_gap_over_median      (from their submission to the last arrival's first token), over
@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -72,6 +73,10 @@ def scenario(eng, model, streams: int, arrivals: int, crops: int, seed: int,
     c0 = dict(eng.counters)
     t_start = time.perf_counter()
     dec = [eng.submit(r) for r in text]
+    readers = [threading.Thread(target=lambda h=h: [None for _ in h.text_stream()], daemon=True)
+               for h in dec]   # streamed, as a chat UI reads them (the engine slices for them)
+    for t in readers:
+        t.start()
     while eng.counters["decode"] + eng.counters["burst"] < c0.get("decode", 0) + \
             c0.get("burst", 0) + 40:   # the streams run (their gap is measured first)
         time.sleep(0.005)
@@ -85,10 +90,9 @@ def scenario(eng, model, streams: int, arrivals: int, crops: int, seed: int,
     for h in dec:
         h.cancel()
     for h in dec:
-        try:
-            h.result(timeout=3600)
-        except Exception:   # cancelled
-            pass
+        h.wait(timeout=3600)
+    for t in readers:
+        t.join(timeout=60)
     total = time.perf_counter() - t_start
     log = [s for s in eng.step_log() if s["t0"] >= t_start]
     med, during = _gaps(log, t1, first, t1)
@@ -105,6 +109,7 @@ def scenario(eng, model, streams: int, arrivals: int, crops: int, seed: int,
             "decode_tok_s": round(tokens / total, 1),
             "slices": st.get("slices", 0) - c0.get("slices", 0),
             "budget_ms": round(1e3 * st["slicing"]["budget_s"], 1),
+            "margin": round(st["slicing"]["margin"], 2),
             "rates_gflops": {k: round(v / 1e9, 1) for k, v in st["slicing"]["rates_flops_per_s"].items()}}
 
 
@@ -118,6 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--ratio", type=float, default=None, help="Engine(slice_ratio=)")
     ap.add_argument("--stream-tokens", type=int, default=900)
+    ap.add_argument("--groups", default=None, help="Engine(slice_groups=), e.g. 3,0.5")
     args = ap.parse_args(argv)
     if os.environ.get("MALLOC_ARENA_MAX") is None:   # same allocator settings as pipeline.py
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
@@ -128,6 +134,8 @@ def main(argv=None) -> int:
     base = {"config": args.config, "streams": args.streams, "arrivals": args.arrivals,
             "crops": args.crops, "date": time.strftime("%Y-%m-%d")}
     kw = {} if args.ratio is None else {"slice_ratio": args.ratio}
+    if args.groups:
+        kw["slice_groups"] = tuple(float(g) if "." in g else int(g) for g in args.groups.split(","))
     engines = {"whole": Engine(model, max_batch_size=args.streams + args.arrivals,
                                slice_images=False),
                "sliced": Engine(model, max_batch_size=args.streams + args.arrivals, **kw)}

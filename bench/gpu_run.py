@@ -26,7 +26,9 @@ that overruns is killed and the next one starts:
            bursts of 8 (`--burst 8`, the GPU's default: the host's share per token,
            docs/host.md), the step
            against the 4.8 TB/s floor, the bubble
-  caption  photon-caption images/s at full size, 24 mixed-size images (`bench/caption.py`)
+  caption  photon-caption images/s at full size, 24 mixed-size images (`bench/caption.py`);
+           then 4 streams while 4 new 13-crop images arrive, their encodes sliced between
+           decode steps and whole (`bench/arrivals.py`: gaps over the median, arrivals' time)
   md3      Moondream 3 at full size (bf16), batch 1 and 32, every loop, the pool sized to
            the run (`bench/gpu_md2.py --md3-only --md3-loops`)
   md2_fp8  the md2 step with float8_e4m3fn K/V (`--kv-dtype`), on whatever time the steps
@@ -59,9 +61,10 @@ STEPS = [
     ("env", 25, 60, "versions, devices, memory, the private JAX APIs"),
     ("kernels", 95, 90, "the Pallas kernel tests on the real GPU"),
     ("engine", 80, 240, "every public surface on the GPU (pipelined, blocking) vs the CPU"),
-    ("md2", 170, 240, "Moondream 2 full size, batch 1/8/32: loops, bursts of 8, floor, "
+    ("md2", 150, 240, "Moondream 2 full size, batch 1/8/32: loops, bursts of 8, floor, "
                       "bubble"),
-    ("caption", 80, 240, "photon-caption images/s at full size, 24 images"),
+    ("caption", 100, 240, "photon-caption images/s at full size, 24 images; streams while "
+                          "images arrive, sliced and whole"),
     ("md3", 30, 240, "Moondream 3 full size, batch 1/32, pool sized to the run"),
     # No time of its own: it runs on what the steps above left of the budget.
     ("md2_fp8", 0, 240, "Moondream 2 full size, batch 1/8/32, float8 K/V, then int8 weights "
@@ -233,6 +236,12 @@ def step_caption(smoke: bool, work: str) -> None:
              "--ckpt-dtype", "bfloat16", "--compile-cache", cache,
              "--keep", os.path.join(work, "caption")])
     _bench("caption.py", args, process=True)
+    # Then (in this step: the machine returns 8 files) streams while new images arrive, their
+    # encodes sliced or whole (`bench/arrivals.py`): 4 streams, 4 images of 13 crops.
+    _bench("arrivals.py", ["--config", "tiny", "--streams", "1", "--arrivals", "1",
+                           "--crops", "2", "--reps", "1", "--stream-tokens", "80"] if smoke else
+           ["--config", "md2", "--streams", "4", "--arrivals", "4", "--crops", "13",
+            "--reps", "2", "--stream-tokens", "4000"], process=True)
 
 
 def step_md3(smoke: bool, work: str) -> None:

@@ -168,7 +168,7 @@ class Moondream:
             (a few layers) between decode steps, so streams keep flowing (docs/slicing.md);
             same results.  False: one program per image, the rows wait for it.
         slice_ratio: the longest gap a decoding row should see while images are sliced, in
-            its median gaps (None: the engine's default, 4).
+            its median gaps (None: the engine's default, 3.5).
         Nothing is downloaded but a hub id's files missing from the Hugging Face cache (and
         the starmie tokenizer, when the snapshot lacks it) and variants named by requests,
         unless HF_HUB_OFFLINE is set.

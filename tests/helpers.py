@@ -762,3 +762,18 @@ def release_programs() -> None:
     step.build_oracle.cache_clear()
     jax.clear_caches()
     gc.collect()
+
+
+# -- HLO audits (tests/test_hlo_audit.py, tests/test_slicing.py) ----------------------------
+
+def audit(hlo_text: str) -> list[str]:
+    """The offending instructions of an optimized HLO module: every `conditional`, and every
+    `while` without XLA's known-trip-count annotation."""
+    bad = []
+    for line in hlo_text.splitlines():
+        inst = line.strip()
+        if " conditional(" in inst:
+            bad.append(inst[:200])
+        elif " while(" in inst and '"known_trip_count"' not in inst:
+            bad.append(inst[:200])
+    return bad

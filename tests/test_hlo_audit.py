@@ -17,20 +17,7 @@ from photon_jax.model.config import tiny, tiny_md3
 from photon_jax.model.params import init_params
 from photon_jax.model.tokenizer import load_tokenizer
 
-from helpers import FIXTURE_DIR
-
-
-def audit(hlo_text: str) -> list[str]:
-    """The offending instructions of an optimized HLO module: every `conditional`, and every
-    `while` without XLA's known-trip-count annotation."""
-    bad = []
-    for line in hlo_text.splitlines():
-        inst = line.strip()
-        if " conditional(" in inst:
-            bad.append(inst[:200])
-        elif " while(" in inst and '"known_trip_count"' not in inst:
-            bad.append(inst[:200])
-    return bad
+from helpers import FIXTURE_DIR, audit
 
 
 def test_the_audit_catches_a_cond_and_a_data_dependent_loop():

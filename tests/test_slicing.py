@@ -7,6 +7,7 @@ programs' HLO; and nothing compiled after warm-up."""
 
 import json
 import os
+import threading
 import time
 
 import jax
@@ -24,11 +25,10 @@ from photon_jax.model.config import tiny, tiny_md3
 from photon_jax.model.params import init_params
 from photon_jax.model.tokenizer import load_tokenizer
 
-from helpers import (ENGINE_IMAGES, FIXTURE_DIR, LAND, LORA_DIR, SQ, biased_model, rel_err,
-                     run_in_waves, strip, workload)
-from test_hlo_audit import audit
+from helpers import (ENGINE_IMAGES, FIXTURE_DIR, LAND, LORA_DIR, SQ, audit, biased_model,
+                     rel_err, run_in_waves, strip, workload)
 
-GROUPS = [(1, 0.5), (3, 1), (9, 2)]
+GROUPS = [(1, 0.5), (9, 2)]   # one block and half a layer; 9 blocks and 2 layers
 
 
 def _random_model(make_cfg, dtype=None):
@@ -56,7 +56,7 @@ def _sliced(model, prep, groups, tables=None, slot=None):
 @pytest.mark.parametrize("make_cfg,dtype", [(tiny, None), (tiny, "bfloat16"), (tiny_md3, None)],
                          ids=["moondream2", "moondream2-bf16", "moondream3"])
 def test_slices_give_the_one_program_prefix_bit_for_bit(make_cfg, dtype):
-    """Every slicing (blocks and layers per slice, half layers) gives the K/V of `image_kv`
+    """Slicings (blocks and layers per slice, half layers) give the K/V of `image_kv`
     exactly: each layer computes what it computes there, from the same inputs.  Moondream 3's
     MoE layers and bf16 included; with a LoRA adapter in its slot too.
 
@@ -168,27 +168,35 @@ def _stream(model, n=400):
                    Settings(temperature=0.0, max_tokens=n), ignore_eos=True)
 
 
-def _while_decoding(eng, model, reqs, waves=2):
-    """`reqs` in waves while a long text row decodes (so their images are sliced) -> their
-    results; the row is cancelled after."""
+def _read(h):
+    """A thread reading `h`'s text stream (the engine slices images for streamed rows)."""
+    t = threading.Thread(target=lambda: [None for _ in h.text_stream()], daemon=True)
+    t.start()
+    return t
+
+
+def _while_decoding(eng, model, reqs, waves=2, streamed=True):
+    """`reqs` in waves while a long text row decodes, read as a stream (so their images
+    are sliced) -> their results; the row is cancelled after."""
     h = eng.submit(_stream(model))
+    reader = _read(h) if streamed else None
     while eng.counters["decode"] + eng.counters["burst"] < 3:
         time.sleep(0.002)
     try:
         return run_in_waves(eng, reqs, waves=waves)
     finally:
         h.cancel()
-        h.result(timeout=120)
+        h.wait(timeout=120)
+        if reader is not None:
+            reader.join(timeout=60)
 
 
-@pytest.mark.parametrize("pipelined,budget", [(True, 0.0), (False, 0.0), (True, 4e8),
-                                              (True, None)],
-                         ids=["pipelined-one-slice", "blocking-one-slice",
-                              "pipelined-budget", "pipelined-measured"])
+@pytest.mark.parametrize("pipelined,budget", [(True, 0.0), (False, 4e8), (True, None)],
+                         ids=["pipelined-one-slice", "blocking-budget", "pipelined-measured"])
 def test_sliced_engine_equals_the_reference(model, encoded, pipelined, budget):
     """Random mixed workloads (images as files: misses, then hits; encoded prefixes; text;
     detect/point) arriving while a row decodes, their images sliced one slice per decode
-    step, a few per step, or as the budget measures: every answer is the one-request
+    step, a few per step (blocking), or as the budget measures: every answer is the one-request
     path's, and every page comes back."""
     items = workload(model, encoded, 11, 10)
     eng = Engine(model, max_batch_size=4, pipelined=pipelined, slice_budget=budget)
@@ -204,14 +212,19 @@ def test_sliced_engine_equals_the_reference(model, encoded, pipelined, budget):
     assert eng._jobs == {} and eng._held == {}
 
 
-def test_no_slicing_when_nothing_decodes_and_none_in_front_of_a_prefill(model, encoded):
-    """Images arriving at an idle engine are encoded whole (no slicing overhead); slices go
-    only in front of decode steps, a budget's worth (here one slice) each."""
+def test_slicing_only_for_streams_and_never_in_front_of_a_prefill(model, encoded):
+    """Images arriving at an idle engine, or while only rows nobody streams decode (a
+    batch job), are encoded whole (no slicing overhead); while a streamed row decodes,
+    slices go only in front of decode steps, a budget's worth (here one slice) each."""
     eng = Engine(model, max_batch_size=4, slice_budget=0.0)
     try:
         for p in ENGINE_IMAGES:
             eng.submit(Request("text", model.prompts.caption("short"), p,
                                Settings(temperature=0.0, max_tokens=3))).result(timeout=120)
+        new = np.random.default_rng(1).integers(0, 255, (300, 400, 3), np.uint8)
+        _while_decoding(eng, model, [Request("text", model.prompts.caption("short"), new,
+                                             Settings(temperature=0.0, max_tokens=3))],
+                        waves=1, streamed=False)
         assert eng.stats().get("slices", 0) == 0
         _while_decoding(eng, model, [Request("text", model.prompts.caption("short"),
                                              os.path.join(FIXTURE_DIR, "img_photo512x600.png"),
@@ -243,6 +256,7 @@ def test_encode_image_cancel_kv8_and_variants_while_rows_decode(tiny_ckpt):
         st = golden["settings"]
         s = {"temperature": 0, "max_tokens": st["max_tokens"]}
         h = eng.submit(_stream(eng.model, 2000))
+        reader = _read(h)
         while eng.counters["decode"] < 3:
             time.sleep(0.002)
         enc = md.encode_image(SQ)
@@ -260,6 +274,7 @@ def test_encode_image_cancel_kv8_and_variants_while_rows_decode(tiny_ckpt):
         assert got == golden["runs"][v]["land800x600"]["caption_short"]["text"]
         h.cancel()
         h.result(timeout=120)
+        reader.join(timeout=60)
         assert eng.sched.adapters.in_use() == 0
     finally:
         md.close()

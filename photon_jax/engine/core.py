@@ -110,7 +110,7 @@ class Engine:
                  max_adapters: int = 0, max_lora_rank: int = 16, adapters: dict | None = None,
                  adapters_on_demand: bool = False, decode_burst: int | None = None,
                  burst_rows: int | None = None, slice_images: bool = True,
-                 slice_ratio: float = 4.0, slice_groups: tuple | None = None,
+                 slice_ratio: float = 3.5, slice_groups: tuple | None = None,
                  slice_budget: float | None = None):
         cfg = model.cfg
         if not isinstance(max_adapters, int) or isinstance(max_adapters, bool) or \
@@ -313,7 +313,7 @@ class Engine:
         return {**dict(self.counters),
                 "slicing": {"enabled": self.slice_images, "groups": list(self.slice_groups),
                             "ratio": b.ratio, "budget_s": b.seconds(),
-                            "rates_flops_per_s": dict(b.rates),
+                            "rates_flops_per_s": dict(b.rates), "margin": b.margin,
                             "median_decode_gap_ms": None if gap is None else 1e3 * gap,
                             "jobs": len(self._jobs)},
                 "prefix_cache": {"enabled": c.enabled, "hits": c.hits, "misses": c.misses,
@@ -687,7 +687,7 @@ class Engine:
         (a slice at a time while rows decode: the handle comes when the last is launched)."""
         while (job := self.sched.next_encode()) is not None:
             s, src = job
-            if not src.hit and self.slice_images and self._decoding():
+            if not src.hit and self.slice_images and self._streaming():
                 self._start_job(s, src.entry, s.adapter_slot,
                                 functools.partial(self._encoded, s, src.entry))
                 s.adapter_slot = 0   # the job holds the slot now
@@ -710,15 +710,20 @@ class Engine:
 
     # image slices (`slicing`) ------------------------------------------------------------
 
-    def _decoding(self) -> bool:
-        """Are rows generating (so an image's encode would hold them back)?"""
-        return any(not s.finalized for s in self.sched.running)
+    def _streaming(self) -> bool:
+        """Are rows generating for a reader of their stream (whom an image's whole encode
+        would freeze)?  Rows whose caller waits for the result alone lose nothing to a
+        whole encode (their total time is the same or shorter: slices run slower between
+        decode steps than back to back), so they are not sliced for: a batch job keeps its
+        full throughput."""
+        return any(not s.finalized and s.handle.streamed for s in self.sched.running)
 
     def _slices(self, decoding: bool) -> None:
         """Before a decode launch: slices of the oldest jobs up to the budget (at least one,
-        so every job advances with each decode step: none starves).  With no row decoding
-        (`decoding` False), every job runs to its end now, and a job not started yet runs as
-        the one-program encode: no slicing overhead when nobody waits."""
+        so every job advances with each decode step: none starves); an image whose whole
+        encode fits what is left of the budget runs as the one program.  With no streamed row
+        decoding (`decoding` False), every job runs to its end now, and a job not started
+        yet runs as the one-program encode: no slicing overhead when no stream waits."""
         budget = self.slicer.limit() if decoding else float("inf")
         spent = 0.0
         with hostsync.sync_free():
@@ -727,6 +732,14 @@ class Engine:
                 if not decoding and not job.started:
                     self._whole(job)
                     continue
+                if not job.started:   # an image that fits what is left: one program
+                    whole = sum(self.slicer.cost(x) for x in job.slices)
+                    if spent + whole <= budget:
+                        for x in job.slices:
+                            self._slice_work[slicing.rate_kind(x)] += x.flops
+                        self._whole(job)
+                        spent += whole
+                        continue
                 sl = job.peek()
                 cost = self.slicer.cost(sl)
                 if spent and spent + cost > budget:
@@ -737,7 +750,8 @@ class Engine:
 
     def _start_jobs(self) -> None:
         """Jobs for the waiting requests whose image is a miss, in arrival order, while
-        rows are free for them (an image nobody can take a row for would only hold pages)."""
+        rows are free for them (an image nobody can take a row for would only hold pages).
+        Called while streamed rows decode."""
         sched = self.sched
         room = max(1, len(sched.free_rows)) - len(self._jobs)
         blocked = sched.slot_blocked()
@@ -834,7 +848,7 @@ class Engine:
     def _launch(self) -> bool:
         slot = self.pipe.free_slot()
         decode = self.sched.eligible()
-        decoding = self.slice_images and self._decoding()
+        decoding = self.slice_images and self._streaming()
         self._release_held()
         if decoding:
             self._start_jobs()   # before the plan: a miss becomes a job, not a whole encode
@@ -843,7 +857,7 @@ class Engine:
             self.sched.unplan(batch)
             return False   # let the steps in flight commit first
         if self._jobs and not decoding:
-            self._slices(decoding=False)   # nobody waits: every job to its end now
+            self._slices(decoding=False)   # no stream waits: every job to its end now
         if batch:
             # No slices in front of a prefill: it is this gap's work already.
             self._slice_work = dict.fromkeys(self._slice_work, 0.0)   # (not measured)

@@ -75,6 +75,9 @@ class Handle:
         self._texts: queue.SimpleQueue = queue.SimpleQueue()
         self._logprobs: collections.deque = collections.deque()
         self.cancel_requested = False
+        # Someone reads its text as it comes (`text_stream` or `take_texts` called): the
+        # engine slices new images' encodes to keep such rows flowing (`engine.slicing`).
+        self.streamed = False
         self._callbacks: list = []
         self._cb_lock = threading.Lock()
         self._progress: list = []   # fn(handle) after each text piece / the reasoning (aio)
@@ -157,6 +160,7 @@ class Handle:
     def take_texts(self) -> tuple[list[str], bool]:
         """Without waiting: the text pieces queued since the last call, and whether the
         stream has ended (the request finished).  Not to be mixed with `text_stream`."""
+        self.streamed = True
         pieces = []
         while True:
             try:
@@ -179,6 +183,7 @@ class Handle:
 
     def text_stream(self):
         """Text pieces as the engine commits tokens; closing the iterator cancels."""
+        self.streamed = True
         try:
             while True:
                 try:

@@ -256,7 +256,8 @@ class SliceBudget:
     front of it, less the median gap, is their time; the rates of the kinds in it are
     scaled by how far off the prediction was, each by its share of the prediction.  They
     start at the platform's guess (`default_rate`, the encoder at a third and attention at
-    half of it).  Until a plain gap was seen, one slice goes per launch.  `fixed`: a
+    half of it).  The rates follow the typical slice; the budget's `margin` covers the
+    slow ones.  Until a plain gap was seen, one slice goes per launch.  `fixed`: a
     constant budget in flops per launch, over every kind alike (tests, benchmarks), no
     measuring."""
 
@@ -267,12 +268,22 @@ class SliceBudget:
         self.rates = {"vision": rate / 3, "attention": rate / 2, "mlp": rate, "text": rate}
         self.gaps: collections.deque = collections.deque(maxlen=window)
         self._median = None
+        # How far the slices' time overran its prediction, over the last sliced gaps: the
+        # budget is divided by its 90th percentile, so the longest gaps (not the mean) stay
+        # near `ratio` when slice times scatter (they do on a shared CPU).
+        self.overruns: collections.deque = collections.deque(maxlen=32)
+        self._margin = 1.0
 
     def seconds(self) -> float:
         """The time slices may take in front of the next decode step (0: one slice)."""
         if self._median is None:
             return 0.0
-        return (self.ratio - 1.0) * self._median
+        return (self.ratio - 1.0) * self._median / self._margin
+
+    @property
+    def margin(self) -> float:
+        """What the budget is divided by (>= 1): the recent overruns' 90th percentile."""
+        return self._margin
 
     def cost(self, sl: Slice) -> float:
         """`sl`'s share of the budget: its flops with a fixed budget, else its expected
@@ -304,6 +315,10 @@ class SliceBudget:
             return
         # Bounded: one outlier (a page fault, another process) cannot swing a rate far.
         off = min(max((gap_s - self._median) / predicted, 0.25), 4.0)
+        self.overruns.append(off)
+        if len(self.overruns) >= 8:
+            self._margin = max(1.0, float(sorted(self.overruns)[int(0.9 * (len(
+                self.overruns) - 1))]))
         # Slower than predicted: corrected at once (a long gap is what the budget is for);
         # faster: a quarter of the way (one quick gap does not buy the next one a longer one).
         step = 1.0 if off > 1 else 0.25
