@@ -11,7 +11,8 @@ Each tick of the scheduler thread does, in this order (docs/architecture.md, "On
    next inputs into the per-row pending buffers on the device;
 3. launch the next forward into the free slot: a prefill if requests are ready (their first
    token is sampled on the device and they join the next decode step before the host has
-   seen it), else a decode step of every eligible row.
+   seen it), else a decode step of every eligible row, with slices of new images' prefixes
+   in front of it while streamed rows decode (`slicing`, docs/slicing.md).
 
 Dispatch is asynchronous, so forward t+1 runs on the device while the host commits step t;
 the host blocks only inside commit, on a copy started one step earlier.  The blocking twin
