@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import logging
 import queue
 import threading
@@ -259,10 +260,6 @@ class Engine:
         self.slicer = slicing.SliceBudget(float(slice_ratio), slicing.default_rate(plat.name),
                                           slice_budget)
         self._jobs: collections.OrderedDict = collections.OrderedDict()
-        # A finished job's pin, held for the request that started it until that request
-        # has left the waiting queue (launched, having read the pages, or gone): with the
-        # prefix cache off, the entry lives only while pinned (key -> Seq).
-        self._held: dict = {}
         self._slice_work = dict.fromkeys(slicing.SliceBudget.KINDS, 0.0)
         self._last_decode_commit = None   # when the last committed step (a decode) ended
         self._text_layers = slicing.text_layers(model.params, cfg)
@@ -639,7 +636,7 @@ class Engine:
                 self.sched.flush_outbox()   # what the tick decided outside a commit
                 if not progressed:
                     if (self._closing and self.sched.drained() and self.pipe.idle()
-                            and not self._jobs and not self._held and self._inbox.empty()):
+                            and not self._jobs and self._inbox.empty()):
                         break
                     self.sched.check_stuck(self.pipe.idle())
                     self._wake.wait(0.05)
@@ -752,11 +749,16 @@ class Engine:
     def _start_jobs(self) -> None:
         """Jobs for the waiting requests whose image is a miss, in arrival order, while
         rows are free for them (an image nobody can take a row for would only hold pages).
-        Called while streamed rows decode."""
+        Called while streamed rows decode, before each decode launch: it looks at the
+        first `max_batch_size` waiting requests only (those the next prefills can take),
+        so a long queue costs the step nothing more.  The jobs fill prefix-cache entries:
+        with the cache off, images are encoded whole."""
         sched = self.sched
         room = max(1, len(sched.free_rows)) - len(self._jobs)
-        blocked = sched.slot_blocked()
-        for s in list(sched.waiting):
+        if room <= 0 or not sched.cache.enabled:
+            return
+        blocked = -1   # (computed on the first request naming an adapter)
+        for s in list(itertools.islice(sched.waiting, self.max_batch_size)):
             if room <= 0:
                 return
             if not sched.resolve(s) or s.key is None or s.key in self._jobs or \
@@ -770,6 +772,8 @@ class Engine:
                 continue
             slot = 0
             if s.adapter is not None:   # computed under the adapter, as the reference does
+                if blocked == -1:
+                    blocked = sched.slot_blocked()
                 if blocked is not None and s.id > blocked:
                     continue
                 slot = sched.adapters.acquire(s.adapter)
@@ -785,15 +789,6 @@ class Engine:
             self._start_job(s, entry, slot)
             room -= 1
 
-    def _release_held(self) -> None:
-        """Unpin finished jobs' entries whose request left the waiting queue."""
-        if self._held:
-            waiting = set(map(id, self.sched.waiting))
-            for key, s in list(self._held.items()):
-                if id(s) not in waiting:
-                    del self._held[key]
-                    self.sched.cache.unpin(key)
-
     def _start_job(self, s: Seq, entry, slot: int, on_done=None) -> None:
         entry.pending = True
         if slot:
@@ -803,11 +798,14 @@ class Engine:
         crops = s.image.crops.shape[0]
         self._jobs[s.key] = slicing.ImageJob(
             s.key, entry, s.image, slicing.plan(self.cfg, crops, self.slice_groups), slot,
-            s, on_done)
+            on_done)
 
     def _scalar_row(self, n: int):
-        """[1] int32 holding n, on the device (an adapter slot's id)."""
-        return jax.device_put(np.full(1, n, _I32), self.placement)
+        """[1] int32 holding n, on the device (an adapter slot's id; uploaded once)."""
+        a = self._scalars.get(("row", n))
+        if a is None:
+            a = self._scalars[("row", n)] = jax.device_put(np.full(1, n, _I32), self.placement)
+        return a
 
     def _scalar(self, n: int):
         a = self._scalars.get(n)
@@ -842,7 +840,10 @@ class Engine:
             if job.on_done is not None:
                 job.on_done()   # an `Engine.encode`: its pin passes to the handle
             else:
-                self._held[job.key] = job.seq
+                # An ordinary cache entry from now on: its request reads it as a hit, and
+                # pressure may evict it first (then the request encodes it again), so no
+                # pin outlives the job for a request that may not fit the pool yet.
+                self.sched.cache.unpin(job.key)
 
     # launch ---------------------------------------------------------------------------
 
@@ -850,7 +851,6 @@ class Engine:
         slot = self.pipe.free_slot()
         decode = self.sched.eligible()
         decoding = self.slice_images and self._streaming()
-        self._release_held()
         if decoding:
             self._start_jobs()   # before the plan: a miss becomes a job, not a whole encode
         batch = self.sched.plan_prefill(bool(decode))
@@ -1253,7 +1253,6 @@ class Engine:
 
     def _fail_everything(self, err: BaseException) -> None:
         self._jobs.clear()   # (their requests fail below; the pool is gone with the engine)
-        self._held.clear()
         self.sched.flush_outbox()   # results finished before the failure still count
         self._take_inbox()
         self.sched.fail_all(err)

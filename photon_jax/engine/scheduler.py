@@ -454,7 +454,9 @@ class Scheduler:
             slot = self.adapters.acquire(s.adapter)
             self.text.use(text)   # pinned now: admission's evictions must not take them
             read = 0 if self.copy_text else len(text)   # cached pages read in place
-            if not self.admit_pages(s, keep, (self.shared_pages if hit else 0) + read):
+            # (A hit's own entry is kept too: its pages are the ones it will read.)
+            if not self.admit_pages(s, keep | {s.key} if hit else keep,
+                                    (self.shared_pages if hit else 0) + read):
                 self.text.unpin([tp.key for tp in text])
                 self.adapters.release(slot)
                 break

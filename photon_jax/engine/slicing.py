@@ -173,9 +173,9 @@ class ImageJob:
     wrote the pages; then the requests find it as a cache hit."""
 
     def __init__(self, key: bytes, entry, prep, slices: list[Slice], adapter_slot: int = 0,
-                 seq=None, on_done=None):
+                 on_done=None):
         self.key, self.entry, self.prep, self.slices = key, entry, prep, slices
-        self.adapter_slot, self.seq = adapter_slot, seq   # the request that started it
+        self.adapter_slot = adapter_slot
         self.on_done = on_done   # called once the prefix is written (else: unpin the entry)
         self.next = 0
         self.x = None   # the encoder's activations between slices, then the decoder's
@@ -267,7 +267,7 @@ class SliceBudget:
         self.ratio, self.fixed = ratio, fixed
         self.rates = {"vision": rate / 3, "attention": rate / 2, "mlp": rate, "text": rate}
         self.gaps: collections.deque = collections.deque(maxlen=window)
-        self._median = None
+        self._median, self._stale = None, False   # (the median, recomputed when read)
         # How far the slices' time overran its prediction, over the last sliced gaps: the
         # budget is divided by its 90th percentile, so the longest gaps (not the mean) stay
         # near `ratio` when slice times scatter (they do on a shared CPU).
@@ -276,7 +276,7 @@ class SliceBudget:
 
     def seconds(self) -> float:
         """The time slices may take in front of the next decode step (0: one slice)."""
-        if self._median is None:
+        if self.median_gap is None:
             return 0.0
         return (self.ratio - 1.0) * self._median / self._margin
 
@@ -296,6 +296,11 @@ class SliceBudget:
 
     @property
     def median_gap(self) -> float | None:
+        """The median of the recent plain gaps (seconds), or None before the first.  Sorted
+        only when read (while images are sliced), not at every commit."""
+        if self._stale:
+            # (list(): one copy under the GIL; `Engine.stats` may read it from another thread)
+            self._median, self._stale = statistics.median(list(self.gaps)), False
         return self._median
 
     def observe(self, gap_s: float, work: dict) -> None:
@@ -305,9 +310,9 @@ class SliceBudget:
             return
         if not any(work.values()):
             self.gaps.append(gap_s)
-            self._median = statistics.median(self.gaps)
+            self._stale = True
             return
-        if self._median is None:
+        if self.median_gap is None:
             return
         parts = {k: f / self.rates[k] for k, f in work.items() if f}
         predicted = sum(parts.values())
