@@ -23,6 +23,7 @@ One JSON line per compile, kind "gpu_compile":
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu python bench/gpu_compile.py
     python bench/gpu_compile.py --lower-only --models tiny     # without the plugin (tests)
     python bench/gpu_compile.py --programs burst4 forward      # only these, no kernel rows
+    python bench/gpu_compile.py --programs slices              # an image prefix's slices
 
 (The two variables: the plugin's start-up check wants a CUDA driver, and JAX must not try to
 run on a GPU it does not have.  Measured numbers: bench/README.md.)
@@ -69,16 +70,49 @@ def h200_device():
     return topo.devices[0]
 
 
-def compile_row(what: str, fn, args, device, **fields) -> dict:
-    """Compile `fn` for `device` at the abstract `args` (device None: only lower it for
-    CUDA, which needs no plugin); the row to print."""
+def slice_rows(P, params, cfg, device, info):
+    """An image prefix's slices (`engine.slicing`, docs/slicing.md) for the 1200 x 900
+    photo: the encoder's embedding and one block, the prefix input, one decoder layer's
+    halves, two layers, and the last layer's K/V alone."""
+    import jax
+    import numpy as np
+    from PIL import Image
+
+    from photon_jax.engine import slicing
+    from photon_jax.model import pixels as image_mod
+
+    crops = image_mod.make_crops(Image.fromarray(np.zeros((900, 1200, 3), np.uint8)),
+                                 cfg.vision)
+    src, ph, pw = image_mod.pool_operands(crops.tiling, cfg.vision)
+    layers, kinds = slicing.text_layers(params, cfg), slicing.text_kinds(cfg)
+    x = jax.eval_shape(P.vision_embed, params, crops.crops)
+    h, k, v = jax.eval_shape(P.prefix_input, params, x, src, ph, pw)
+    first, n = np.int32(1), int(crops.crops.shape[0])
+    rows = [("vision_embed", P.vision_embed, (params, crops.crops), {}),
+            ("vision_blocks", P.vision_blocks, (params, x, first, 1), {}),
+            ("prefix_input", P.prefix_input, (params, x, src, ph, pw), {}),
+            ("prefix_attention", P.prefix_attention, (layers[1], h, k, v, first), {}),
+            ("prefix_mlp", P.prefix_mlp, (layers[-1], kinds[-1], h, h), {}),
+            ("prefix_layers", P.prefix_layers, (layers[1:3], tuple(kinds[1:3]), h, k, v,
+                                                first), {}),
+            ("prefix_kv", P.prefix_attention, (layers[-1], h, k, v, first),
+             {"kv_only": True})]
+    for name, fn, args, kw in rows:
+        yield compile_row("program", fn, args, device, kwargs=kw, program=name, group="slices",
+                          crops=n, **info)
+
+
+def compile_row(what: str, fn, args, device, kwargs=None, **fields) -> dict:
+    """Compile `fn` for `device` at the abstract `args` (and static `kwargs`; device None:
+    only lower it for CUDA, which needs no plugin); the row to print."""
+    kwargs = kwargs or {}
     import jax
 
     row = {"kind": "gpu_compile", "what": what, **fields}
     t0 = time.perf_counter()
     if device is None:
         try:
-            fn.trace(*args).lower(lowering_platforms=("cuda",))
+            fn.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
         except Exception as e:
             return {**row, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         return {**row, "ok": True, "lower_only": True,
@@ -87,7 +121,7 @@ def compile_row(what: str, fn, args, device, **fields) -> dict:
     placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
                           if hasattr(a, "shape") else a, args)
     try:
-        compiled = fn.trace(*placed).lower().compile()
+        compiled = fn.trace(*placed, **kwargs).lower().compile()
     except Exception as e:   # the compiler's verdict is the result
         return {**row, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     text = compiled.as_text()
@@ -278,6 +312,8 @@ def program_rows(device, batch: int, models, weights=None, lora_slots: int = 0,
         if programs is None or "image_kv" in programs:
             yield from image_rows(P, params, cfg, device, info,
                                   ad + ((np.ones(1, np.int32),) if ad else ()))
+        if programs is None or "slices" in programs:
+            yield from slice_rows(P, params, cfg, device, info)
 
 
 def image_rows(P, params, cfg, device, info, adapter=()):
@@ -356,7 +392,7 @@ def main() -> None:
         seen = set()
         for row in program_rows(device, args.batch, args.models, args.weights,
                                 args.lora_slots, args.lora_rank, args.programs):
-            seen.add(row["program"])
+            seen.update((row["program"], row.get("group")))
             print(json.dumps({**row, **env}), flush=True)
         if args.programs and set(args.programs) - seen:
             sys.exit(f"no program named {sorted(set(args.programs) - seen)}")

@@ -160,7 +160,10 @@ def test_gpu_compile_script_lowers_every_program_without_the_cuda_plugin():
                         "copy_pages",
                         "sample_step(False, False)", "sample_step(False, True)",
                         "sample_step(True, False)", "sample_step(True, True)",
-                        "sample_step(True, True)_logprobs", "sample_step_masked"}
+                        "sample_step(True, True)_logprobs", "sample_step_masked",
+                        # an image prefix's slices (docs/slicing.md)
+                        "vision_embed", "vision_blocks", "prefix_input", "prefix_attention",
+                        "prefix_mlp", "prefix_layers", "prefix_kv"}
     kernels = [r for r in rows if r["what"] == "kernel"]
     # Our kernel: every split variant at full Moondream 2 and 3 shapes, every pool dtype.
     assert {(r["model"], r["kv_dtype"], r["splits"]) for r in kernels if r["page_size"] == 64

@@ -327,18 +327,24 @@ def image_kv(params, crops_u8, src, ph, pw, adapters=None, slot_1=None, *,
     tokens (bidirectional) in a one-row cache of exactly the prefix length.  `adapters`,
     `slot_1` ([1] int32): the LoRA slot tables and the slot the prefix is computed under
     (the reference prefills the image through the adapted decoder too)."""
-    n = cfg.prefix_len
     _, emb = vision.encode_image(params, crops_u8, src, ph, pw, cfg=cfg, vision_loop=vision_loop)
-    cache = init_cache(cfg, rows=1, length=n)
-    pos = jnp.arange(n, dtype=jnp.int32)[None]
-    zero, full = jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32)
+    cache, pos, access = _prefix_cache(cfg, cfg.prefix_len, cfg.text.n_layers)
     rows = None if adapters is None else lora.Rows(adapters, slot_1, lora_mode)
     # (Each layer's halves held apart: the same bits as the prefix in slices, `halves`.)
     _, cache, _ = forward_layers(layer_params(params["text"], cfg.text), cfg.text,
-                                 image_prefix(params, emb, cfg=cfg), pos, cache,
-                                 DenseAccess(zero, full, n), grouped, tp=tp, lora=rows,
-                                 halves=True)
+                                 image_prefix(params, emb, cfg=cfg), pos, cache, access,
+                                 grouped, tp=tp, lora=rows, halves=True)
     return cache.k[:, 0], cache.v[:, 0]
+
+
+def _prefix_cache(cfg: MoondreamConfig, n: int, layers: int, dtype=None):
+    """A one-row dense cache of `layers` layers and `n` positions for an image prefix, its
+    positions [1, n] and the access that attends all n of them (the prefix is
+    bidirectional): `image_kv`'s, and its slices'."""
+    cache = init_cache(cfg, rows=1, length=n, dtype=dtype)
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    access = DenseAccess(jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32), n)
+    return KVCache(cache.k[:layers], cache.v[:layers]), pos, access
 
 
 def prefix_layers(layers: list, kinds: tuple, h_1SD, k_LSKH, v_LSKH, first, adapters=None,
@@ -353,15 +359,10 @@ def prefix_layers(layers: list, kinds: tuple, h_1SD, k_LSKH, v_LSKH, first, adap
     layer's outputs whichever launch computed them.  `kv_only` (the last group): -> (K, V)
     only; the compiler drops what only the hidden needed (the last layer's attention
     output and MLP), as it does in `image_kv`."""
-    n, g = h_1SD.shape[1], len(layers)
-    cache = init_cache(cfg, rows=1, length=n, dtype=k_LSKH.dtype)
-    cache = KVCache(cache.k[:g], cache.v[:g])
-    pos = jnp.arange(n, dtype=jnp.int32)[None]
-    zero, full = jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32)
+    cache, pos, access = _prefix_cache(cfg, h_1SD.shape[1], len(layers), k_LSKH.dtype)
     rows = None if adapters is None else lora.Rows(adapters, slot_1, lora_mode)
     h, cache, _ = forward_layers(list(zip(layers, kinds)), cfg.text, h_1SD, pos, cache,
-                                 DenseAccess(zero, full, n), grouped, tp=tp, lora=rows,
-                                 halves=True)
+                                 access, grouped, tp=tp, lora=rows, halves=True)
     at = (first, 0, 0, 0)
     kv = (jax.lax.dynamic_update_slice(k_LSKH, cache.k[:, 0], at),
           jax.lax.dynamic_update_slice(v_LSKH, cache.v[:, 0], at))
@@ -378,13 +379,8 @@ def prefix_attention(layer, x_1SD, k_LSKH, v_LSKH, first, adapters=None, slot_1=
     list (None: none)."""
     rows = None if adapters is None else lora.Rows(adapters, slot_1, lora_mode)
     dense = linear if tp is None else tp.dense(linear)
-    n = x_1SD.shape[1]
-    cache = init_cache(cfg, rows=1, length=n, dtype=k_LSKH.dtype)
-    cache = KVCache(cache.k[:1], cache.v[:1])
-    pos = jnp.arange(n, dtype=jnp.int32)[None]
-    zero, full = jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32)
-    x, h, cache = layer_attention(layer, 0, cfg.text, x_1SD, pos, cache,
-                                  DenseAccess(zero, full, n), dense, rows)
+    cache, pos, access = _prefix_cache(cfg, x_1SD.shape[1], 1, k_LSKH.dtype)
+    x, h, cache = layer_attention(layer, 0, cfg.text, x_1SD, pos, cache, access, dense, rows)
     at = (first, 0, 0, 0)
     kv = (jax.lax.dynamic_update_slice(k_LSKH, cache.k[:, 0], at),
           jax.lax.dynamic_update_slice(v_LSKH, cache.v[:, 0], at))
