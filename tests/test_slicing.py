@@ -275,6 +275,7 @@ def test_encode_image_cancel_kv8_and_variants_while_rows_decode(tiny_ckpt):
         _until(lambda: eng._jobs or gone.done())
         gone.cancel()
         assert gone.result(timeout=120)["finish_reason"] == "cancelled"
+        _until(lambda: not eng._jobs)   # its job is dropped (or had finished)
         got = md.caption(LAND, "short", settings={**s, "variant": v})["caption"]
         assert got == golden["runs"][v]["land800x600"]["caption_short"]["text"]
         h.cancel()

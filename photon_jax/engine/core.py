@@ -722,6 +722,10 @@ class Engine:
         encode fits what is left of the budget runs as the one program.  With no streamed row
         decoding (`decoding` False), every job runs to its end now, and a job not started
         yet runs as the one-program encode: no slicing overhead when no stream waits."""
+        for job in list(self._jobs.values()):
+            h = job.seq.handle
+            if h.cancel_requested or h.done():
+                self._drop_job(job)
         budget = self.slicer.limit() if decoding else float("inf")
         spent = 0.0
         with hostsync.sync_free():
@@ -798,7 +802,7 @@ class Engine:
         crops = s.image.crops.shape[0]
         self._jobs[s.key] = slicing.ImageJob(
             s.key, entry, s.image, slicing.plan(self.cfg, crops, self.slice_groups), slot,
-            on_done)
+            on_done, s)
 
     def _scalar_row(self, n: int):
         """[1] int32 holding n, on the device (an adapter slot's id; uploaded once)."""
@@ -826,6 +830,17 @@ class Engine:
     def _whole(self, job: slicing.ImageJob) -> None:
         """A job not started yet, as the one-program encode (nothing decodes now)."""
         self._end_job(job, self._encode(job.prep, job.adapter_slot))
+
+    def _drop_job(self, job: slicing.ImageJob) -> None:
+        """The job's request was cancelled or failed: stop computing its image, and give
+        back its adapter slot and its entry's pages (nothing on the device writes them
+        before the last slice; requests for the same image find a miss and start again)."""
+        del self._jobs[job.key]
+        job.x = job.h = job.k = job.v = job.prep = None
+        self.sched.adapters.release(job.adapter_slot)
+        if self.sched.cache.remove(job.key) is not None:
+            self.sched.alloc.give_back(job.entry.pages)
+        self.counters["dropped_slice_jobs"] += 1
 
     def _end_job(self, job: slicing.ImageJob, enc: ImagePrefix) -> None:
         """The prefix into the entry's pages; its requests may read it from now on (the

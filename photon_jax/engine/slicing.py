@@ -173,9 +173,10 @@ class ImageJob:
     wrote the pages; then the requests find it as a cache hit."""
 
     def __init__(self, key: bytes, entry, prep, slices: list[Slice], adapter_slot: int = 0,
-                 on_done=None):
+                 on_done=None, seq=None):
         self.key, self.entry, self.prep, self.slices = key, entry, prep, slices
         self.adapter_slot = adapter_slot
+        self.seq = seq   # the request that asked for it (its cancel drops the job)
         self.on_done = on_done   # called once the prefix is written (else: unpin the entry)
         self.next = 0
         self.x = None   # the encoder's activations between slices, then the decoder's
