@@ -198,7 +198,7 @@ def decode_args(cfg, batch: int, page: int, free: int | None, kv_cache_tokens=No
                        page_size=page, kv_cache_tokens=kv_cache_tokens, free=free, sweep=False,
                        adapter_bytes=adapter_bytes)
     dev = step_mod.DeviceState.abstract(cfg, arena_sizes=plan.arenas.sizes, page_size=page,
-                                        max_batch_size=batch)
+                                        max_batch_size=batch, platform="gpu")
     return {"plan": plan, "dev": dev,
             "params": jax.eval_shape(unstack_layers, abstract_params(cfg)),
             "meta": jax.ShapeDtypeStruct((M.M_TABLE + -(-ctx // page), batch), jnp.int32),

@@ -63,8 +63,6 @@ in a row's page table.
 
 from __future__ import annotations
 
-from functools import partial
-
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -113,6 +111,17 @@ _BYTES = jnp.dtype(jnp.uint8)
 _FP8_AS_BYTES = frozenset({"cpu"})
 
 
+# bfloat16 pools live as their bits (uint16) on CPU, for the same reason: XLA:CPU has no
+# 16-bit float scatter or slice update and widens the whole operand to float32 and back
+# around each one, so every write of a position rewrote its arena (measured at full
+# Moondream 2 size: 0.2-0.4 s a write per arena of 90-500 MB; a 730-position prefix write
+# took twice the pool in temporaries, and a decode step's writes more than its products).
+# As uint16 the same writes are in place (0.05-1.3 ms); reads take the bits back as
+# bfloat16 (`as_format`), and the CPU kernel reads them as it reads bfloat16.
+_BF16_BITS = jnp.dtype(jnp.uint16)
+_BF16_AS_BITS = frozenset({"cpu"})
+
+
 def storage_dtype(fmt: str, platform: str | None = None):
     """The pool's array dtype for 8-bit format `fmt` on `platform` (None: JAX's default)."""
     platform = platform or jax.default_backend()
@@ -128,16 +137,22 @@ def format_of(dtype) -> str:
 
 
 def as_format(codes):
-    """Codes as their format's dtype (e4m3 bytes reinterpreted; anything else as is)."""
+    """Codes as their format's dtype (e4m3 bytes and bfloat16 bits reinterpreted; anything
+    else as is)."""
     if codes.dtype == _BYTES:
         return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    if codes.dtype == _BF16_BITS:
+        return jax.lax.bitcast_convert_type(codes, jnp.bfloat16)
     return codes
 
 
 def as_storage(codes, dtype):
-    """Codes as a pool of `dtype` stores them (e4m3 -> its bytes for a uint8 pool)."""
+    """Codes as a pool of `dtype` stores them (e4m3 -> its bytes for a uint8 pool,
+    bfloat16 -> its bits for a uint16 one)."""
     if jnp.dtype(dtype) == _BYTES and codes.dtype != _BYTES:
         return jax.lax.bitcast_convert_type(codes.astype(jnp.float8_e4m3fn), _BYTES)
+    if jnp.dtype(dtype) == _BF16_BITS and codes.dtype != _BF16_BITS:
+        return jax.lax.bitcast_convert_type(codes.astype(jnp.bfloat16), _BF16_BITS)
     return codes.astype(dtype)
 
 
@@ -213,7 +228,12 @@ def arena_shape(cfg: TextConfig, pages: int, page_size: int, pack: int = 1):
 
 
 def _pool_dtype(dtype, platform=None):
-    return storage_dtype(dtype, platform) if dtype in QUANTIZED else jnp_dtype(dtype)
+    if dtype in QUANTIZED:
+        return storage_dtype(dtype, platform)
+    dt = jnp_dtype(dtype)
+    if dt == jnp.bfloat16 and (platform or jax.default_backend()) in _BF16_AS_BITS:
+        return _BF16_BITS
+    return dt
 
 
 def abstract_pool(cfg: TextConfig, arena_sizes: tuple, page_size: int, dtype,
@@ -307,9 +327,6 @@ def write_tokens_q(arenas: tuple, scales, page_X, off_X, x_XKH, max_pages: int |
     packed = lanes != x_XKH.shape[-1]   # the TPU layout
     if not packed or (scales is None and max_pages is None):
         if scales is None:
-            if max_pages is not None and _widened_by_cpu_scatter(arenas[0].dtype):
-                return _on_cpu(partial(_write_tokens_by_page, max_pages=max_pages),
-                               write_tokens, arenas, page_X, off_X, x_XKH), None
             return write_tokens(arenas, page_X, off_X, x_XKH), None
         codes, sc = quantize(x_XKH, format_of(arenas[0].dtype))
         return (write_tokens(arenas, page_X, off_X, codes),
@@ -414,47 +431,7 @@ def write_rows(arenas_k: tuple, arenas_v: tuple, page_R, off_R, k_RKH, v_RKH,
         for r in range(k_RKH.shape[0]):
             arrays = body(r, arrays)
         return arrays
-    return _write_rows_loop(parts, page_R, off_R)
-
-
-def _write_rows_loop(parts, page_R, off_R):
-    """`write_rows` over unpacked arenas: one loop over the rows whose body only writes.
-    What a row leaves alone (its page is another arena's) is read before the loop and
-    written back first, then the new vectors; a read of the arena inside the body (to keep
-    the old value there) made XLA:CPU copy the whole arena in every turn of the loop (every
-    layer's K and V arenas in every decode step: the whole pool)."""
-    writes = []   # per array: (positions clipped into it, values [K, R, ...], order)
-    for arenas, x in parts:
-        for a, (st, n) in zip(arenas, _spans(arenas)):
-            loc = page_R - st
-            valid = (loc >= 0) & (loc < n)
-            at = jnp.clip(loc, 0, n - 1)
-            keep = a[:, at, off_R]                                         # [K, R, ...]
-            new = jnp.moveaxis(as_storage(x, a.dtype), 0, 1)               # [K, R, ...]
-            vals = jnp.where(valid.reshape(1, -1, *(1,) * (new.ndim - 2)), new, keep)
-            # The barrier keeps the read of `keep` out of the update's fusion when the loop
-            # has one turn and XLA inlines it (an update fused with a read of its own
-            # operand elsewhere is not done in place: the whole arena was copied).
-            writes.append(jax.lax.optimization_barrier(
-                (at, vals, jnp.argsort(valid, stable=True))))
-
-    def body(i, arrays):
-        out = []
-        for a, (at, vals, order) in zip(arrays, writes):
-            r = order[i]
-            v = jax.lax.dynamic_index_in_dim(vals, r, 1, keepdims=False)
-            v = v.reshape(a.shape[0], 1, 1, *a.shape[3:])
-            out.append(jax.lax.dynamic_update_slice(a, v, (0, at[r], off_R[r]) +
-                                                    (0,) * (a.ndim - 3)))
-        return tuple(out)
-
-    flat = jax.lax.fori_loop(0, page_R.shape[0], body,
-                             tuple(a for arenas, _ in parts for a in arenas))
-    out, i = [], 0
-    for arenas, _ in parts:
-        out.append(tuple(flat[i:i + len(arenas)]))
-        i += len(arenas)
-    return tuple(out)
+    return jax.lax.fori_loop(0, k_RKH.shape[0], body, arrays)
 
 
 def gather_pages(arenas: tuple, page_X):
@@ -471,76 +448,8 @@ def gather_pages(arenas: tuple, page_X):
 
 def write_pages(arenas: tuple, page_N, blocks_KNBH) -> tuple:
     """Overwrite whole pages (page-granular copies: the prefix cache)."""
-    def scatter(arenas, page_N, blocks_KNBH):
-        return tuple(a.at[:, _local(st, n, page_N)].set(blocks_KNBH.astype(a.dtype),
-                                                        mode="drop")
-                     for a, (st, n) in zip(arenas, _spans(arenas)))
-
-    def by_page(arenas, page_N, blocks_KNBH):
-        return tuple(_put_pages(a, _local(st, n, page_N.reshape(-1)),
-                                blocks_KNBH.reshape(a.shape[0], -1, *a.shape[2:]))
-                     for a, (st, n) in zip(arenas, _spans(arenas)))
-    if _widened_by_cpu_scatter(arenas[0].dtype):
-        return _on_cpu(by_page, scatter, arenas, page_N, blocks_KNBH)
-    return scatter(arenas, page_N, blocks_KNBH)
-
-
-# -- XLA:CPU and 16-bit pools -------------------------------------------------------------
-# XLA:CPU has no scatter for 16-bit floats: it widens the whole operand to float32, scatters
-# and narrows it back, so a scatter of a few positions into a bfloat16 arena copied the arena
-# twice (measured: a 730-position prefix write into a 4 GiB Moondream 2 pool took 8 GiB of
-# temporaries and seconds).  A dynamic-update-slice of one page is in place for any dtype,
-# so on CPU a 16-bit pool is written page by page: the pages the positions fall in are
-# gathered, the positions set in that small copy, and each page put back by a slice update
-# (a loop with a static trip count).  Other platforms keep the one scatter (in place there);
-# `platform_dependent` lowers only the branch of the platform compiled for, no conditional.
-
-def _widened_by_cpu_scatter(dtype) -> bool:
-    dtype = jnp.dtype(dtype)
-    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
-
-
-def _on_cpu(cpu, default, *args):
-    return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
-
-
-def _put_pages(a, loc_U, blocks):
-    """Pages blocks[:, u] into arena `a` at loc_U[u] (== a.shape[1]: not this arena's, left
-    alone), one slice update each, in place.  A page not this arena's rewrites the page it
-    is clipped to with that page's own content, so those go first, before any new content
-    (the loop body reads nothing of `a`: a read there made XLA copy the arena every turn)."""
-    n = a.shape[1]
-    valid = loc_U < n
-    at_U = jnp.minimum(loc_U, n - 1)
-    keep = a[:, at_U]                                                   # [K, U, B, H]
-    mask = valid.reshape(1, -1, *(1,) * (a.ndim - 2))
-    blocks = jnp.where(mask, blocks.astype(a.dtype), keep)
-    # (The barrier: see `_write_rows_loop`; a one-page write inlines the loop.)
-    at_U, blocks, order = jax.lax.optimization_barrier(
-        (at_U, blocks, jnp.argsort(valid, stable=True)))
-
-    def body(i, a):
-        u = order[i]
-        return jax.lax.dynamic_update_slice_in_dim(
-            a, jax.lax.dynamic_slice_in_dim(blocks, u, 1, 1), at_U[u], 1)
-    return jax.lax.fori_loop(0, loc_U.shape[0], body, a)
-
-
-def _write_tokens_by_page(arenas: tuple, page_X, off_X, x_XKH, *, max_pages: int) -> tuple:
-    """`write_tokens` for unpacked 16-bit arenas on XLA:CPU (see above): the positions fall
-    in at most `max_pages` distinct pages."""
-    pages, offs = page_X.reshape(-1), off_X.reshape(-1)
-    uniq, inv = jnp.unique(pages, size=min(max_pages, pages.shape[0]),
-                           fill_value=jnp.iinfo(jnp.int32).max, return_inverse=True)
-    upd = jnp.moveaxis(x_XKH, -2, 0)
-    upd = upd.reshape(upd.shape[0], -1, upd.shape[-1])                      # [K, X, H]
-    out = []
-    for a, (st, n) in zip(arenas, _spans(arenas)):
-        loc = _local(st, n, uniq)
-        old = a[:, jnp.minimum(loc, n - 1)]                                 # [K, U, B, H]
-        new = old.at[:, inv.reshape(-1), offs].set(upd.astype(a.dtype))
-        out.append(_put_pages(a, loc, new))
-    return tuple(out)
+    return tuple(a.at[:, _local(st, n, page_N)].set(blocks_KNBH.astype(a.dtype), mode="drop")
+                 for a, (st, n) in zip(arenas, _spans(arenas)))
 
 
 # -- attention ------------------------------------------------------------------------------
@@ -564,6 +473,8 @@ def prefill_attend(arenas_k: tuple, arenas_v: tuple, q_RTQH, pt_RM, mask_RTS,
             if packed:
                 sc = tpu_attention.unpack_scales(sc, n_kv, arenas[0].shape[2])
             g = dequantize(g, sc)
+        else:
+            g = as_format(g)
         return g.transpose(1, 2, 3, 0, 4).reshape(r, kv_len, g.shape[0], g.shape[-1])
 
     k, v = view(arenas_k, scales_k), view(arenas_v, scales_v)
@@ -579,6 +490,8 @@ def page_partials(q_RKGH, k_KPBH, v_KPBH, owner_P, count_P, ks_KPB=None, vs_KPB=
     q_KPGH = qz[owner_P].transpose(1, 0, 2, 3)
     if ks_KPB is not None:
         k_KPBH, v_KPBH = as_format(k_KPBH).astype(F32), as_format(v_KPBH).astype(F32)
+    else:
+        k_KPBH, v_KPBH = as_format(k_KPBH), as_format(v_KPBH)
     s = jnp.einsum("kpgh,kpth->kpgt", q_KPGH.astype(k_KPBH.dtype), k_KPBH,
                    preferred_element_type=F32) * (q_RKGH.shape[-1] ** -0.5)
     if ks_KPB is not None:

@@ -565,6 +565,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
       return Attend(pool, s, qp, k.typed_data<float>(), v.typed_data<float>(), tp, lp, op,
                     scale);
     case ffi::BF16:
+    case ffi::U16:  // bfloat16 bits (`kvpool`: XLA:CPU pools keep bfloat16 as uint16)
       return Attend(pool, s, qp, static_cast<const uint16_t*>(k.untyped_data()),
                     static_cast<const uint16_t*>(v.untyped_data()), tp, lp, op, scale);
     case ffi::S8:
