@@ -10,7 +10,7 @@ Default pool (`kv_cache_tokens=None`):
   slots and a workspace for XLA's temporaries are set aside.  JAX preallocates 75% of GPU
   memory by default; `XLA_PYTHON_CLIENT_MEM_FRACTION` changes that share (see README).
 - CPU: enough for `max_batch_size` sequences at full context plus four cached image
-  prefixes, capped at a quarter of the available host memory (and at 4 GiB): MemAvailable,
+  prefixes, capped at a quarter of the available host memory (and at 2 GiB): MemAvailable,
   page cache included, within the cgroup's limit (`hostmem.host_available`).
 
 An 8-bit pool (`kv_dtype`, `kvpool.QUANTIZED`) costs its code bytes plus a float32 scale per
@@ -27,9 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from ..base.dtypes import canonical
+from ..base.dtypes import canonical, jnp_dtype
 from ..model import moe
 from ..model.config import MoondreamConfig
 from ..model.platforms import Platform, choose, host_platform
@@ -39,7 +40,7 @@ from .pages import pages_for
 from .stepmeta import Arenas
 
 GiB = 1 << 30
-CPU_POOL_CAP = 4 * GiB
+CPU_POOL_CAP = 2 * GiB
 GPU_POOL_SHARE = 0.9
 MIN_WORKSPACE = 1 * GiB
 PAGE_MULTIPLE = 8   # pool pages in the TPU layout (`plan`)
@@ -204,6 +205,19 @@ def workspace_bytes(cfg: MoondreamConfig, dtype=None, prefill_tokens: int = PREF
         cfg, dtype, mesh_size)
 
 
+def cpu_vision_widened_bytes(cfg: MoondreamConfig, dtype=None) -> int:
+    """XLA:CPU's float32 copy of a bfloat16 vision tower's blocks, made for every encode:
+    the encoder scans its stacked blocks, and XLA:CPU takes a bfloat16 product whose weight
+    is sliced out of a stack in float32, converting the whole stack ahead of the loop
+    (measured at full Moondream 2 size: 2.1 GB of temporaries in the image prefix program).
+    0 in float32."""
+    if jnp_dtype(dtype or cfg.dtype) != jnp.bfloat16:
+        return 0
+    e, f = cfg.vision.enc_dim, cfg.vision.enc_ff_dim
+    per_block = 4 * e * e + 2 * e * f + 9 * e + f   # qkv, proj, fc1, fc2, biases, 2 norms
+    return 4 * cfg.vision.enc_n_layers * per_block
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     weights: int
@@ -271,6 +285,8 @@ def plan(cfg: MoondreamConfig, *, platform, max_batch_size: int, max_context: in
     slots = slot_bytes(cfg, max_batch_size, dtype)
     work = workspace_bytes(cfg, dtype, prefill_tokens, mesh_size, max_batch_size, kv_dtype,
                            rec.grouped, max_context)
+    if rec.host_memory:
+        work += cpu_vision_widened_bytes(cfg, dtype)
     row_pages = pages_for(max_context, page_size)
     if kv_cache_tokens is None:
         if rec.host_memory:
