@@ -22,6 +22,7 @@ from photon_jax.engine.settings import Settings
 from photon_jax.kernels import cpukernel
 from photon_jax.model import Model, platforms, text
 from photon_jax.model.config import moondream2, moondream3, tiny, tiny_md3
+from photon_jax.model.layers import attention
 from photon_jax.model.params import abstract_params, init_params
 from photon_jax.model.tokenizer import load_tokenizer
 
@@ -637,3 +638,27 @@ def test_pool_writes_on_cpu_are_in_place_and_exact(dtype):
     blocks = jnp.asarray(rng.normal(size=(kh, 2, b, h))).astype(dtype)
     check(lambda a, blk: kvpool.write_pages((a,), dst, blk)[0], (kvpool.as_storage(blocks, store),),
           ref.at[:, dst].set(blocks))
+
+
+def test_a_cpu_bfloat16_pool_is_read_as_bfloat16_by_every_decode_reader():
+    """A bfloat16 model's pool holds uint16 bits on CPU; the C++ kernel, the XLA sweep and
+    the Pallas GPU kernel (interpreted here, as the GPU tests run it) must all read them as
+    bfloat16 -- a reader taking them as integers would attend to garbage."""
+    c = tiny().text
+    pool = kvpool.init_pool(c, (6,), 16, "bfloat16", "cpu")
+    assert pool.k[0][0].dtype == jnp.uint16
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.normal(size=(1, 20, c.n_kv_heads, c.head_dim)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(1, 20, c.n_kv_heads, c.head_dim)), jnp.float32)
+    pg, off = jnp.asarray(1 + np.arange(20) // 16)[None], jnp.asarray(np.arange(20) % 16)[None]
+    ks, vs = kvpool.write_tokens(pool.k[0], pg, off, k), kvpool.write_tokens(pool.v[0], pg, off, v)
+    q = jnp.asarray(rng.normal(size=(1, 1, c.n_heads, c.head_dim)), jnp.float32)
+    want = np.asarray(attention(q, k.astype(jnp.bfloat16).astype(jnp.float32),
+                                v.astype(jnp.bfloat16).astype(jnp.float32))[:, 0])
+    pt, ln = jnp.asarray([[1, 2]], jnp.int32), jnp.asarray([20], jnp.int32)
+    acc = kvpool.DecodeAccess(pg[0, :1], off[0, :1], jnp.asarray([1, 0, 0, 1, 1, 1]),
+                              jnp.asarray([0, 16, 4, 0, 0, 0]), pt, ln)
+    for reader in (kvpool.cpu_kernel_attend, kvpool.gpu_interpret_attend, None):
+        got = (reader or kvpool.sweep_attend)(acc, (ks, vs, None, None), q[:, 0])
+        np.testing.assert_allclose(np.asarray(got, np.float32).reshape(want.shape), want,
+                                   rtol=0, atol=5e-3, err_msg=str(reader))   # (bf16 probabilities)

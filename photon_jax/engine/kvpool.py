@@ -640,8 +640,15 @@ def cpu_kernel_attend(acc: DecodeAccess, arrays, q_RQH):
     return a.reshape(a.shape[0], -1)
 
 
+def _bf16_view(arenas: tuple) -> tuple:
+    """A CPU pool's bfloat16 bits as bfloat16 for the Pallas kernels (interpreted on CPU:
+    tests); every other pool as it is (e4m3 bytes stay bytes: the kernels read those)."""
+    return tuple(as_format(a) if a.dtype == _BF16_BITS else a for a in arenas)
+
+
 def gpu_kernel_attend(acc: DecodeAccess, arrays, q_RQH, interpret: bool = False):
     ks, vs, ksc, vsc = arrays
+    ks, vs = _bf16_view(ks), _bf16_view(vs)
     return kernel_attend(ks, vs, q_RQH, acc.pt_RM, acc.length_R, splits=acc.splits,
                          interpret=interpret, scales_k=ksc, scales_v=vsc)
 
@@ -657,6 +664,7 @@ def tpu_kernel_attend(acc: DecodeAccess, arrays, q_RQH, *, n_kv_heads: int,
     ks, vs, ksc, vsc = arrays
     if len(ks) != 1:
         raise ValueError("the TPU paged-attention kernel reads a single-arena pool")
+    ks, vs = _bf16_view(ks), _bf16_view(vs)
     return tpu_attention.attend(ks[0], vs[0], q_RQH, acc.pt_RM, acc.length_R,
                                 n_kv_heads=n_kv_heads, interpret=interpret,
                                 ks_pool=None if ksc is None else ksc[0],
